@@ -1,0 +1,244 @@
+"""Broker configuration: one TOML file plus a few environment overrides.
+
+The schema *is* the dataclasses below. Each section is a frozen, slotted dataclass
+whose fields carry their type, default and constraints (`Annotated[int, AtLeast(1)]`,
+`Annotated[str, Requires("cert_file")]`, a `Literal` for enumerations). The loader
+walks those fields generically, so adding a setting means adding one annotated field
+and one line to `default.toml`; there is no per-key parsing code that could drift
+from the schema, and every error names the dotted key and the file it came from.
+
+Validation is strict because a typo in a broker's config (`persist_mod = "buffer"`)
+that is silently ignored is worse than a refusal to start: unknown sections and keys,
+wrong types (including `true` for an integer, since `bool` subclasses `int`) and
+out-of-range values all raise `ConfigError`.
+
+Search order (SPEC 4): `--config PATH`, else `$FILA_CONFIG` (both must exist), else
+`./fila.toml`, else `/etc/fila/fila.toml`, else built-in defaults. Then the non-empty
+environment variables in `ENV_OVERRIDES` replace single keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
+
+PersistMode = Literal["sync", "buffer"]
+
+
+@dataclass(frozen=True, slots=True)
+class AtLeast:
+    """Constraint marker: a numeric field must be >= `minimum`."""
+
+    minimum: int
+
+
+class Requires:
+    """Constraint marker: a non-empty string field needs these sibling fields set too."""
+
+    __slots__ = ("siblings",)
+
+    def __init__(self, *siblings: str) -> None:
+        self.siblings = siblings
+
+
+Positive = Annotated[int, AtLeast(1)]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSection:
+    listen_addr: str = "127.0.0.1:5555"
+    max_message_bytes: Positive = 4 * 1024 * 1024
+    max_headers: Positive = 64
+    max_header_bytes: Positive = 64 * 1024
+    shutdown_grace_ms: Positive = 5000
+
+
+@dataclass(frozen=True, slots=True)
+class StorageSection:
+    data_dir: str = "./data"
+    persist_mode: PersistMode = "sync"
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSection:
+    quantum: Positive = 1
+    consumer_buffer: Positive = 16
+
+
+@dataclass(frozen=True, slots=True)
+class LuaSection:
+    default_timeout_ms: Positive = 10
+    default_memory_limit_bytes: Positive = 1048576
+    circuit_breaker_threshold: Positive = 3
+    circuit_breaker_cooldown_ms: Annotated[int, AtLeast(0)] = 10000
+
+
+@dataclass(frozen=True, slots=True)
+class TelemetrySection:
+    otlp_endpoint: str = ""
+    service_name: str = "fila"
+    metrics_interval_ms: Positive = 10000
+    prometheus_listen: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class TlsSection:
+    cert_file: Annotated[str, Requires("key_file")] = ""
+    key_file: Annotated[str, Requires("cert_file")] = ""
+    ca_file: Annotated[str, Requires("cert_file", "key_file")] = ""
+
+
+@dataclass(frozen=True, slots=True)
+class AuthSection:
+    bootstrap_apikey: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    server: ServerSection = field(default_factory=ServerSection)
+    storage: StorageSection = field(default_factory=StorageSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    lua: LuaSection = field(default_factory=LuaSection)
+    telemetry: TelemetrySection = field(default_factory=TelemetrySection)
+    tls: TlsSection = field(default_factory=TlsSection)
+    auth: AuthSection = field(default_factory=AuthSection)
+
+
+class ConfigError(Exception):
+    """A configuration problem; the message is one line naming the key and the file."""
+
+
+# Environment variable -> (section, key). Applied after the file, when non-empty.
+ENV_OVERRIDES: dict[str, tuple[str, str]] = {
+    "FILA_DATA_DIR": ("storage", "data_dir"),
+    "FILA_LISTEN_ADDR": ("server", "listen_addr"),
+    "FILA_BOOTSTRAP_APIKEY": ("auth", "bootstrap_apikey"),
+}
+
+# Looked for, in order, when neither --config nor FILA_CONFIG names a file.
+SEARCH_PATHS: tuple[Path, ...] = (Path("fila.toml"), Path("/etc/fila/fila.toml"))
+
+_TOML_TYPE_NAMES: dict[type, str] = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a float",
+    str: "a string",
+    list: "an array",
+    dict: "a table",
+}
+
+
+def default_config_text() -> str:
+    """The shipped `default.toml`: every key with its default and a comment."""
+    return importlib.resources.files("fila").joinpath("default.toml").read_text("utf-8")
+
+
+def parse_config(text: str, source: str) -> Config:
+    """Parse and validate one TOML document; `source` names it in error messages."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    sections = _fields(Config)
+    for name, value in doc.items():
+        if name not in sections:
+            kind = "section" if isinstance(value, dict) else "key"
+            raise ConfigError(f'{source}: unknown {kind} "{name}"')
+        if not isinstance(value, dict):
+            raise ConfigError(f'{source}: "{name}" must be a table ([{name}]), got {_toml(value)}')
+    built = {name: _section(hint, name, doc.get(name, {}), source)
+             for name, (hint, _) in sections.items()}
+    return Config(**built)
+
+
+def load_config(cli_path: str | None, env: Mapping[str, str]) -> tuple[Config, Path | None]:
+    """Find, read and validate the config, then apply environment overrides.
+
+    Returns the config and the file it came from (None when built-in defaults apply).
+    """
+    path = _find(cli_path, env)
+    if path is None:
+        config = Config()
+    else:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) else str(exc)
+            raise ConfigError(f"{path}: cannot read config file: {reason}") from None
+        config = parse_config(text, str(path))
+    for var, (section, key) in ENV_OVERRIDES.items():
+        if value := env.get(var):
+            patched = dataclasses.replace(getattr(config, section), **{key: value})
+            config = dataclasses.replace(config, **{section: patched})
+    return config, path
+
+
+def _find(cli_path: str | None, env: Mapping[str, str]) -> Path | None:
+    for explicit, origin in ((cli_path, "--config"), (env.get("FILA_CONFIG"), "FILA_CONFIG")):
+        if explicit:
+            path = Path(explicit)
+            if not path.exists():
+                raise ConfigError(f"{path}: config file not found (from {origin})")
+            return path
+    return next((p for p in SEARCH_PATHS if p.exists()), None)
+
+
+def _fields(cls: type) -> dict[str, tuple[Any, tuple[object, ...]]]:
+    """Field name -> (base type, constraint markers), resolving `Annotated`."""
+    out: dict[str, tuple[Any, tuple[object, ...]]] = {}
+    for name, hint in get_type_hints(cls, include_extras=True).items():
+        if get_origin(hint) is Annotated:
+            base, *markers = get_args(hint)
+            out[name] = (base, tuple(markers))
+        else:
+            out[name] = (hint, ())
+    return out
+
+
+def _section(cls: type, section: str, table: dict[str, Any], source: str) -> Any:
+    schema = _fields(cls)
+    for key in table:
+        if key not in schema:
+            raise ConfigError(f'{source}: unknown key "{section}.{key}"')
+    for key, value in table.items():
+        _check(schema[key][0], schema[key][1], f"{section}.{key}", value, source)
+    for key, (_, markers) in schema.items():
+        for marker in markers:
+            if isinstance(marker, Requires) and table.get(key):
+                missing = [s for s in marker.siblings if not table.get(s)]
+                if missing:
+                    need = " and ".join(f'"{section}.{s}"' for s in missing)
+                    raise ConfigError(f'{source}: "{section}.{key}" requires {need}')
+    return cls(**table)
+
+
+def _check(base: Any, markers: tuple[object, ...], key: str, value: Any, source: str) -> None:
+    if get_origin(base) is Literal:
+        choices = get_args(base)
+        if value not in choices:
+            allowed = ", ".join(f'"{c}"' for c in choices)
+            raise ConfigError(f'{source}: "{key}" must be one of {allowed}, got {_toml(value)}')
+        return
+    accepted: tuple[type, ...] = (int, float) if base is float else (base,)
+    if type(value) not in accepted:
+        raise ConfigError(
+            f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}, got {_toml(value)}'
+        )
+    for marker in markers:
+        if isinstance(marker, AtLeast) and value < marker.minimum:
+            raise ConfigError(f'{source}: "{key}" must be >= {marker.minimum}, got {value}')
+
+
+def _toml(value: object) -> str:
+    """Describe a TOML value for an error message: its type and, if short, itself."""
+    kind = _TOML_TYPE_NAMES.get(type(value), "a date/time")
+    if not isinstance(value, str | int | float):
+        return kind
+    shown = json.dumps(value)
+    return f"{kind} {shown}" if len(shown) <= 60 else kind

@@ -1,0 +1,77 @@
+"""One open `Consume` stream, seen from the scheduler.
+
+The scheduler leases messages into a consumer's small buffer while it has room;
+the stream handler drains the buffer into gRPC. The buffer bound is what keeps
+a slow consumer from hoarding messages or growing memory: once it is full the
+scheduler passes that consumer by and serves the others. Frames are fully
+encoded before they are buffered, so the handler only writes bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import deque
+
+from fila.core.errors import BrokerError
+from fila.core.records import Lease
+
+_ids = itertools.count(1)
+
+
+class Consumer:
+    __slots__ = ("_buffer", "_closed_with", "_waiter", "capacity", "id", "queue_name", "waiting")
+
+    def __init__(self, queue_name: str, capacity: int) -> None:
+        self.id = next(_ids)
+        self.queue_name = queue_name
+        self.capacity = capacity
+        self._buffer: deque[tuple[Lease, bytes]] = deque()
+        self._waiter: asyncio.Future[None] | None = None
+        self._closed_with: BrokerError | None = None
+        # True while the consumer sits in its queue's list of consumers with room.
+        self.waiting = False
+
+    @property
+    def has_room(self) -> bool:
+        return len(self._buffer) < self.capacity and self._closed_with is None
+
+    def offer(self, lease: Lease, frame: bytes) -> None:
+        self._buffer.append((lease, frame))
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def take(self) -> tuple[Lease, bytes] | None:
+        """The next buffered delivery, or None when the buffer is empty."""
+        if self._closed_with is not None:
+            raise self._closed_with
+        return self._buffer.popleft() if self._buffer else None
+
+    async def wait(self, timeout_s: float) -> bool:
+        """Waits for a delivery or for close; False if `timeout_s` passed with neither."""
+        if self._buffer or self._closed_with is not None:
+            return True
+        self._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await asyncio.wait_for(self._waiter, timeout_s)
+        except TimeoutError:
+            return False
+        finally:
+            self._waiter = None
+        return True
+
+    def close(self, reason: BrokerError) -> list[Lease]:
+        """Ends the stream with `reason`; returns the leases that were never sent."""
+        self._closed_with = reason
+        unsent = [lease for lease, _ in self._buffer]
+        self._buffer.clear()
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+        return unsent
+
+    def drain_unsent(self) -> list[Lease]:
+        unsent = [lease for lease, _ in self._buffer]
+        self._buffer.clear()
+        return unsent

@@ -1,0 +1,121 @@
+"""Token buckets for throttle keys, driven by `throttle.<key>` runtime config.
+
+A message may name several throttle keys; it is deliverable only when every
+key that has a bucket holds a whole token, and delivery takes one from each.
+Keys without a bucket are unlimited. Buckets refill lazily, when looked at, so
+an idle bucket costs nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from fila.core.clock import Clock
+
+THROTTLE_PREFIX = "throttle."
+
+
+class TokenBucket:
+    __slots__ = ("burst", "rate", "tokens", "updated_s")
+
+    def __init__(self, rate: float, burst: float, now_s: float) -> None:
+        self.rate = rate
+        self.burst = burst
+        self.tokens = burst
+        self.updated_s = now_s
+
+    def refill(self, now_s: float) -> float:
+        elapsed = now_s - self.updated_s
+        if elapsed > 0:
+            self.tokens = min(self.burst, self.tokens + elapsed * self.rate)
+            self.updated_s = now_s
+        return self.tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottleStats:
+    key: str
+    tokens: float
+    rate_per_second: float
+    burst: float
+
+
+def parse_throttle_value(value: str) -> tuple[float, float]:
+    """Parses ``"<rate>,<burst>"``; raises ValueError with a reason a user can act on."""
+    parts = value.split(",")
+    if len(parts) != 2:
+        raise ValueError(f'expected "<rate>,<burst>", got "{value}"')
+    try:
+        rate, burst = float(parts[0]), float(parts[1])
+    except ValueError:
+        raise ValueError(f'rate and burst must be numbers, got "{value}"') from None
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"rate must be a positive number, got {parts[0].strip()}")
+    if not (math.isfinite(burst) and burst >= 1):
+        raise ValueError(f"burst must be at least 1, got {parts[1].strip()}")
+    return rate, burst
+
+
+class Throttles:
+    def __init__(self, clock: Clock) -> None:
+        self._clock = clock
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def configure(self, key: str, rate: float, burst: float) -> None:
+        """Creates a full bucket, or retunes an existing one keeping its tokens (capped)."""
+        now = self._clock.now_s()
+        bucket = self._buckets.get(key)
+        if bucket is None:
+            self._buckets[key] = TokenBucket(rate, burst, now)
+            return
+        bucket.refill(now)
+        bucket.rate = rate
+        bucket.burst = burst
+        bucket.tokens = min(bucket.tokens, burst)
+
+    @property
+    def active(self) -> bool:
+        return bool(self._buckets)
+
+    def remove(self, key: str) -> None:
+        self._buckets.pop(key, None)
+
+    def try_take(self, keys: tuple[str, ...]) -> bool:
+        """Takes one token from each bucketed key, or none if any lacks one."""
+        buckets = self._buckets
+        if not buckets:
+            return True
+        now = self._clock.now_s()
+        found: list[TokenBucket] = []
+        for key in keys:
+            bucket = buckets.get(key)
+            if bucket is None:
+                continue
+            if bucket.refill(now) < 1.0:
+                return False
+            found.append(bucket)
+        for bucket in found:
+            bucket.tokens -= 1.0
+        return True
+
+    def seconds_until_available(self, keys: Iterable[str]) -> float:
+        """How long until every bucketed key in `keys` holds a whole token."""
+        now = self._clock.now_s()
+        wait = 0.0
+        for key in keys:
+            bucket = self._buckets.get(key)
+            if bucket is None:
+                continue
+            missing = 1.0 - bucket.refill(now)
+            if missing > 0:
+                wait = max(wait, missing / bucket.rate)
+        return wait
+
+    def stats(self) -> list[ThrottleStats]:
+        now = self._clock.now_s()
+        return [
+            ThrottleStats(key, bucket.refill(now), bucket.rate, bucket.burst)
+            for key, bucket in sorted(self._buckets.items())
+        ]

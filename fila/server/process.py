@@ -1,0 +1,246 @@
+"""Run a real `fila-server` as a child process: the harness of the tests and the benchmark.
+
+Both exercise the broker the way an operator runs it, through `python -m
+fila.server.main`, its config file and its environment, so startup, signal handling and
+crash recovery are covered by the same code path users hit. Readiness is the standard
+`grpc.health.v1.Health/Check` answering SERVING, polled against a deadline; a child that
+dies or never becomes ready raises `ServerStartError` with the tail of its log.
+
+The port is picked once and kept, so `kill()` followed by `restart()` brings the broker
+back on the same address and data directory, as a crash and a supervisor restart would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+from types import TracebackType
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+import fila
+
+_REPO_ROOT = Path(fila.__file__).resolve().parent.parent
+_LOG_TAIL_LINES = 40
+_FAST_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
+
+
+class ServerStartError(RuntimeError):
+    """The broker exited or did not report SERVING before the deadline."""
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class ServerProcess:
+    """One broker child process bound to a data directory and a fixed port.
+
+    `config_toml` is written to `data_dir.parent / "fila.toml"` and passed as
+    `--config`; `persist_mode`, when given, is set in that file's `[storage]` table.
+    `env` adds to (and may override) the child's environment, from which inherited
+    `FILA_*` variables are removed so the caller's shell cannot leak into a test.
+    `channel_credentials` are used for the readiness check when the config enables TLS.
+    """
+
+    def __init__(
+        self,
+        data_dir: Path,
+        *,
+        config_toml: str | None = None,
+        env: dict[str, str] | None = None,
+        persist_mode: str | None = None,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.port = free_port()
+        self.log_path = self.data_dir.parent / "fila-server.log"
+        self.config_path: Path | None = None
+        self._credentials = channel_credentials
+        self._proc: subprocess.Popen[bytes] | None = None
+        self._starts = 0
+        if persist_mode is not None:
+            config_toml = _with_persist_mode(config_toml or "", persist_mode)
+        if config_toml is not None:
+            self.config_path = self.data_dir.parent / "fila.toml"
+        self._config_toml = config_toml
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith("FILA_")}
+        self._env["PYTHONPATH"] = os.pathsep.join(
+            p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
+        )
+        self._env["PYTHONUNBUFFERED"] = "1"
+        self._env["FILA_DATA_DIR"] = str(self.data_dir)
+        self._env["FILA_LISTEN_ADDR"] = self.addr
+        self._env.update(env or {})
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        if self._proc is None:
+            raise RuntimeError("fila-server was never started")
+        return self._proc.pid
+
+    def log_text(self) -> str:
+        """Everything the broker printed, across all starts, one marker line per start."""
+        try:
+            return self.log_path.read_text(encoding="utf-8", errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def start(self, timeout: float = 20.0) -> ServerProcess:
+        """Launch the broker and return once Health/Check answers SERVING."""
+        if self.running:
+            raise RuntimeError(f"fila-server already running (pid {self.pid})")
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        argv = [sys.executable, "-m", "fila.server.main"]
+        if self.config_path is not None and self._config_toml is not None:
+            self.config_path.write_text(self._config_toml, encoding="utf-8")
+            argv += ["--config", str(self.config_path)]
+        self._starts += 1
+        with self.log_path.open("ab") as log:
+            log.write(f"--- harness: start #{self._starts} on {self.addr} ---\n".encode())
+            log.flush()
+            self._proc = subprocess.Popen(
+                argv,
+                cwd=self.data_dir.parent,
+                env=self._env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        try:
+            self._wait_serving(time.monotonic() + timeout)
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM (graceful shutdown) and wait; returns the exit code.
+
+        A broker that does not exit in time is SIGKILLed and `TimeoutError` raised, so
+        a hung shutdown fails the test instead of passing silently.
+        """
+        proc = self._started()
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise TimeoutError(
+                    f"fila-server did not exit within {timeout}s of SIGTERM\n{self._tail()}"
+                ) from None
+        return proc.returncode
+
+    def kill(self) -> int:
+        """SIGKILL (a crash) and wait; returns the exit code."""
+        proc = self._started()
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        return proc.returncode
+
+    def restart(self, timeout: float = 20.0) -> ServerProcess:
+        """Stop if running, then start again on the same port and data directory."""
+        if self.running:
+            self.stop()
+        return self.start(timeout)
+
+    def __enter__(self) -> ServerProcess:
+        return self if self.running else self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self.running:
+            self.stop()
+
+    def _started(self) -> subprocess.Popen[bytes]:
+        if self._proc is None:
+            raise RuntimeError("fila-server was never started")
+        return self._proc
+
+    def _wait_serving(self, deadline: float) -> None:
+        proc = self._started()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        with self._channel() as channel:
+            check = health_pb2_grpc.HealthStub(channel).Check
+            last = "no answer"
+            while (remaining := deadline - time.monotonic()) > 0:
+                if proc.poll() is not None:
+                    raise ServerStartError(
+                        f"fila-server exited with code {proc.returncode} before serving\n"
+                        f"{self._tail()}"
+                    )
+                try:
+                    reply = check(
+                        health_pb2.HealthCheckRequest(service=""),
+                        timeout=min(0.5, remaining),
+                        wait_for_ready=True,
+                    )
+                except grpc.RpcError as exc:
+                    last = str(exc.code())
+                else:
+                    if reply.status == serving:
+                        return
+                    last = f"status {reply.status}"
+                time.sleep(0.05)  # not ready yet: poll again shortly
+        raise ServerStartError(
+            f"fila-server on {self.addr} not SERVING before the deadline ({last})\n"
+            f"{self._tail()}"
+        )
+
+    def _channel(self) -> grpc.Channel:
+        if self._credentials is None:
+            return grpc.insecure_channel(self.addr, options=_FAST_RECONNECT)
+        return grpc.secure_channel(self.addr, self._credentials, options=_FAST_RECONNECT)
+
+    def _tail(self) -> str:
+        lines = self.log_text().splitlines()[-_LOG_TAIL_LINES:]
+        return f"--- last {len(lines)} lines of {self.log_path} ---\n" + "\n".join(lines)
+
+
+def _with_persist_mode(config_toml: str, persist_mode: str) -> str:
+    """Re-emit a (flat, sectioned) config with `storage.persist_mode` set."""
+    doc = tomllib.loads(config_toml)
+    doc.setdefault("storage", {})["persist_mode"] = persist_mode
+    out: list[str] = []
+    for section, table in doc.items():
+        out.append(f"[{section}]")
+        out += [f"{key} = {_toml_value(value)}" for key, value in table.items()]
+    return "\n".join(out) + "\n"
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str | int | float):
+        return json.dumps(value)  # JSON strings and numbers are valid TOML
+    raise ValueError(f"cannot re-emit TOML value {value!r}")

@@ -1,0 +1,97 @@
+"""The one place that knows how broker state is laid out in RocksDB.
+
+Every key starts with a one-byte tag naming the record kind; the rest of the key
+is a single component, so no length prefixes are needed and no two kinds can
+collide. Message ids are UUIDv7 stored as their 16 raw bytes, which are
+big-endian millisecond timestamps first: a prefix scan over ``m`` returns
+messages in enqueue order, which is how recovery rebuilds FIFO order per
+fairness key.
+
+    q<queue name utf-8>   -> QueueRecord JSON (see fila.core.queue_record)
+    m<message id 16 B>    -> fila.v1.Message protobuf; the authoritative copy of
+                             headers, payload and metadata, including the
+                             queue it currently belongs to and attempt_count
+    l<message id 16 B>    -> lease: u64 BE deadline ms, u64 BE leased-at ms
+    d<message id 16 B>    -> delayed retry: u64 BE due ms
+    c<config key utf-8>   -> runtime config value utf-8
+    k<api key id utf-8>   -> API key record (security)
+    a<api key id utf-8>   -> ACL record (security)
+
+Messages are keyed by id alone, not by queue, so dead-lettering and redrive
+rewrite one value in place instead of moving it between keys.
+"""
+
+from __future__ import annotations
+
+import struct
+import uuid
+from typing import Final
+
+QUEUE: Final = b"q"
+MESSAGE: Final = b"m"
+LEASE: Final = b"l"
+DELAY: Final = b"d"
+CONFIG: Final = b"c"
+API_KEY: Final = b"k"
+ACL: Final = b"a"
+
+_TWO_U64: Final = struct.Struct(">QQ")
+_ONE_U64: Final = struct.Struct(">Q")
+
+
+def queue_key(name: str) -> bytes:
+    return QUEUE + name.encode()
+
+
+def queue_name_from_key(key: bytes) -> str:
+    return key[1:].decode()
+
+
+def message_key(message_id: str) -> bytes:
+    return MESSAGE + uuid.UUID(message_id).bytes
+
+
+def lease_key(message_key_: bytes) -> bytes:
+    return LEASE + message_key_[1:]
+
+
+def delay_key(message_key_: bytes) -> bytes:
+    return DELAY + message_key_[1:]
+
+
+def message_key_from_side_key(side_key: bytes) -> bytes:
+    """Maps a lease or delay key back to the message key it belongs to."""
+    return MESSAGE + side_key[1:]
+
+
+def config_key(key: str) -> bytes:
+    return CONFIG + key.encode()
+
+
+def config_name_from_key(key: bytes) -> str:
+    return key[1:].decode()
+
+
+def encode_lease(deadline_ms: int, leased_at_ms: int) -> bytes:
+    return _TWO_U64.pack(deadline_ms, leased_at_ms)
+
+
+def decode_lease(value: bytes) -> tuple[int, int]:
+    deadline_ms, leased_at_ms = _TWO_U64.unpack(value)
+    return int(deadline_ms), int(leased_at_ms)
+
+
+def encode_due(due_ms: int) -> bytes:
+    return _ONE_U64.pack(due_ms)
+
+
+def decode_due(value: bytes) -> int:
+    return int(_ONE_U64.unpack(value)[0])
+
+
+def prefix_end(prefix: bytes) -> bytes:
+    """The smallest key greater than every key starting with `prefix`."""
+    stripped = prefix.rstrip(b"\xff")
+    if not stripped:
+        raise ValueError("prefix has no upper bound")
+    return stripped[:-1] + bytes([stripped[-1] + 1])

@@ -1,0 +1,31 @@
+"""Wire-level constants shared by the broker's gRPC edge and the clients.
+
+gRPC status codes are too coarse for a client to tell a missing queue from a
+missing message on `Ack` (both are `NOT_FOUND`), so every error the broker
+returns also carries a machine-readable kind in trailing metadata. Clients that
+do not know this key (the published SDKs) still work from the status code alone.
+"""
+
+from enum import StrEnum
+from typing import Final
+
+ERROR_KIND_METADATA_KEY: Final = "x-fila-error-kind"
+DEFAULT_ADDR: Final = "localhost:5555"
+DEFAULT_LISTEN_ADDR: Final = "127.0.0.1:5555"
+
+
+class ErrorKind(StrEnum):
+    """Why a request failed; the value travels in `ERROR_KIND_METADATA_KEY`."""
+
+    QUEUE_NOT_FOUND = "queue_not_found"
+    QUEUE_ALREADY_EXISTS = "queue_already_exists"
+    MESSAGE_NOT_FOUND = "message_not_found"
+    CONFIG_KEY_NOT_FOUND = "config_key_not_found"
+    API_KEY_NOT_FOUND = "api_key_not_found"
+    INVALID_ARGUMENT = "invalid_argument"
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    UNIMPLEMENTED = "unimplemented"
+    INTERNAL = "internal"

@@ -1,0 +1,56 @@
+"""Python client for the Fila broker.
+
+`Client` blocks, `AsyncClient` runs on asyncio; both speak the `fila.v1` gRPC
+API, return the plain records in `fila_sdk.types` and raise the classes in
+`fila_sdk.errors`.
+"""
+
+from .aio import AsyncClient
+from .client import Client
+from .errors import (
+    ApiKeyNotFoundError,
+    ConfigKeyNotFoundError,
+    FilaError,
+    InvalidArgumentError,
+    MessageNotFoundError,
+    PermissionDeniedError,
+    QueueAlreadyExistsError,
+    QueueNotFoundError,
+    ResourceExhaustedError,
+    RPCError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+from .types import (
+    ConfigEntry,
+    ConfigListing,
+    FairnessKeyStats,
+    Message,
+    QueueInfo,
+    QueueStats,
+    ThrottleKeyStats,
+)
+
+__all__ = [
+    "ApiKeyNotFoundError",
+    "AsyncClient",
+    "Client",
+    "ConfigEntry",
+    "ConfigKeyNotFoundError",
+    "ConfigListing",
+    "FairnessKeyStats",
+    "FilaError",
+    "InvalidArgumentError",
+    "Message",
+    "MessageNotFoundError",
+    "PermissionDeniedError",
+    "QueueAlreadyExistsError",
+    "QueueInfo",
+    "QueueNotFoundError",
+    "QueueStats",
+    "RPCError",
+    "ResourceExhaustedError",
+    "ThrottleKeyStats",
+    "UnauthenticatedError",
+    "UnavailableError",
+]

@@ -1,0 +1,133 @@
+"""What the sync and async clients share: connection settings and error mapping.
+
+Both clients are thin shells over the generated stubs; everything that decides
+behaviour (credentials, auth metadata, which exception a failure becomes) lives
+here once, so the two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Final, cast
+
+import grpc
+
+from fila.v1 import admin_pb2
+from fila.wire import ERROR_KIND_METADATA_KEY, ErrorKind
+
+from .errors import (
+    ApiKeyNotFoundError,
+    ConfigKeyNotFoundError,
+    FilaError,
+    InvalidArgumentError,
+    MessageNotFoundError,
+    PermissionDeniedError,
+    QueueAlreadyExistsError,
+    QueueNotFoundError,
+    ResourceExhaustedError,
+    RPCError,
+    UnauthenticatedError,
+    UnavailableError,
+)
+
+# The broker enforces its own payload limit (configurable above gRPC's 4 MiB
+# default), so the client must not reject a large message the broker accepted.
+CHANNEL_OPTIONS: Final = (("grpc.max_receive_message_length", -1),)
+
+_BY_KIND: Final[Mapping[str, type[FilaError]]] = {
+    ErrorKind.QUEUE_NOT_FOUND: QueueNotFoundError,
+    ErrorKind.QUEUE_ALREADY_EXISTS: QueueAlreadyExistsError,
+    ErrorKind.MESSAGE_NOT_FOUND: MessageNotFoundError,
+    ErrorKind.CONFIG_KEY_NOT_FOUND: ConfigKeyNotFoundError,
+    ErrorKind.API_KEY_NOT_FOUND: ApiKeyNotFoundError,
+    ErrorKind.INVALID_ARGUMENT: InvalidArgumentError,
+    ErrorKind.UNAUTHENTICATED: UnauthenticatedError,
+    ErrorKind.PERMISSION_DENIED: PermissionDeniedError,
+    ErrorKind.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    ErrorKind.UNAVAILABLE: UnavailableError,
+    ErrorKind.UNIMPLEMENTED: RPCError,
+    ErrorKind.INTERNAL: RPCError,
+}
+
+_BY_CODE: Final[Mapping[grpc.StatusCode, type[FilaError]]] = {
+    grpc.StatusCode.NOT_FOUND: QueueNotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: QueueAlreadyExistsError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: ResourceExhaustedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+}
+
+# Without the error-kind metadata (an older or foreign broker), NOT_FOUND is
+# ambiguous; the RPC that failed tells what was missing.
+_NOT_FOUND_BY_RPC: Final[Mapping[str, type[FilaError]]] = {
+    "Ack": MessageNotFoundError,
+    "Nack": MessageNotFoundError,
+    "GetConfig": ConfigKeyNotFoundError,
+    "RevokeApiKey": ApiKeyNotFoundError,
+    "SetAcl": ApiKeyNotFoundError,
+    "GetAcl": ApiKeyNotFoundError,
+}
+
+
+def map_rpc_error(err: grpc.RpcError, rpc: str) -> FilaError:
+    """Turn a failed call of `rpc` (e.g. "Ack") into the matching `FilaError`."""
+    code = err.code()
+    message = err.details() or code.name.lower()
+    # Sync errors carry a tuple of pairs, grpc.aio ones a Metadata; both iterate as pairs.
+    trailers = cast(Iterable[tuple[str, str | bytes]], err.trailing_metadata() or ())
+    kind = next((value for key, value in trailers if key == ERROR_KIND_METADATA_KEY), None)
+    if isinstance(kind, str) and kind in _BY_KIND:
+        return _BY_KIND[kind](message, code)
+    if code == grpc.StatusCode.NOT_FOUND:
+        return _NOT_FOUND_BY_RPC.get(rpc, QueueNotFoundError)(message, code)
+    if code == grpc.StatusCode.UNAVAILABLE and kind is None:
+        # Raised by the channel itself (refused, DNS, TLS), not by the broker.
+        message = f"broker unavailable: {message}"
+    return _BY_CODE.get(code, RPCError)(message, code)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """Validated constructor arguments, identical for `Client` and `AsyncClient`."""
+
+    target: str
+    credentials: grpc.ChannelCredentials | None
+    metadata: tuple[tuple[str, str], ...]
+    timeout: float | None
+
+    @classmethod
+    def build(
+        cls,
+        addr: str,
+        *,
+        tls: bool,
+        ca_cert: bytes | None,
+        client_cert: bytes | None,
+        client_key: bytes | None,
+        api_key: str | None,
+        timeout: float | None,
+    ) -> Settings:
+        if (client_cert is None) != (client_key is None):
+            raise ValueError("client_cert and client_key must be given together")
+        credentials = None
+        # Passing any certificate is an unambiguous request for TLS.
+        if tls or ca_cert is not None or client_cert is not None:
+            credentials = grpc.ssl_channel_credentials(
+                root_certificates=ca_cert, private_key=client_key, certificate_chain=client_cert
+            )
+        metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        return cls(addr, credentials, metadata, timeout)
+
+
+def queue_config(
+    on_enqueue: str | None, on_failure: str | None, visibility_timeout_ms: int | None
+) -> admin_pb2.QueueConfig:
+    # Empty strings and 0 are the wire's "not set": the broker applies its defaults.
+    return admin_pb2.QueueConfig(
+        on_enqueue_script=on_enqueue or "",
+        on_failure_script=on_failure or "",
+        visibility_timeout_ms=visibility_timeout_ms or 0,
+    )

@@ -1,0 +1,170 @@
+"""asyncio client over `grpc.aio`; same methods as `Client`, awaited."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator, Mapping
+from types import TracebackType
+from typing import Self, TypeVar
+
+import grpc
+import grpc.aio
+from google.protobuf.message import Message as ProtoMessage
+
+from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
+
+from ._channel import CHANNEL_OPTIONS, Settings, map_rpc_error, queue_config
+from .errors import UnavailableError
+from .types import ConfigListing, Message, QueueInfo, QueueStats
+
+_Req = TypeVar("_Req", bound=ProtoMessage)
+_Resp = TypeVar("_Resp", bound=ProtoMessage)
+
+
+class AsyncClient:
+    def __init__(
+        self,
+        addr: str = "localhost:5555",
+        *,
+        tls: bool = False,
+        ca_cert: bytes | None = None,
+        client_cert: bytes | None = None,
+        client_key: bytes | None = None,
+        api_key: str | None = None,
+        timeout: float | None = None,
+    ) -> None:
+        self._settings = Settings.build(
+            addr,
+            tls=tls,
+            ca_cert=ca_cert,
+            client_cert=client_cert,
+            client_key=client_key,
+            api_key=api_key,
+            timeout=timeout,
+        )
+        if self._settings.credentials is None:
+            self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.secure_channel(
+                addr, self._settings.credentials, options=CHANNEL_OPTIONS
+            )
+        self._service = service_pb2_grpc.FilaServiceStub(self._channel)
+        self._admin = admin_pb2_grpc.FilaAdminStub(self._channel)
+        self._closed = False
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the channel; open `consume` iterators end quietly."""
+        self._closed = True
+        await self._channel.close(None)
+
+    async def wait_ready(self, timeout: float) -> None:  # noqa: ASYNC109 (mirrors Client)
+        """Wait until the broker accepts a connection; see `Client.wait_ready`."""
+        try:
+            await asyncio.wait_for(self._channel.channel_ready(), timeout)
+        except TimeoutError:
+            raise UnavailableError(
+                f"cannot reach broker at {self._settings.target} within {timeout:g}s",
+                grpc.StatusCode.UNAVAILABLE,
+            ) from None
+
+    async def _unary(
+        self, rpc: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req
+    ) -> _Resp:
+        try:
+            return await rpc(
+                request, timeout=self._settings.timeout, metadata=self._settings.metadata
+            )
+        except grpc.RpcError as err:
+            raise map_rpc_error(err, type(request).__name__.removesuffix("Request")) from err
+
+    # Hot path.
+
+    async def enqueue(self, queue: str, headers: Mapping[str, str] | None, payload: bytes) -> str:
+        request = service_pb2.EnqueueRequest(queue=queue, headers=headers, payload=payload)
+        return (await self._unary(self._service.Enqueue, request)).message_id
+
+    async def consume(self, queue: str) -> AsyncGenerator[Message, None]:
+        """Yield messages as the broker leases them; see `Client.consume`.
+
+        Wrap in `contextlib.aclosing` to cancel the stream at a deterministic point
+        rather than when the abandoned generator is collected.
+        """
+        call = self._service.Consume(
+            service_pb2.ConsumeRequest(queue=queue), metadata=self._settings.metadata
+        )
+        try:
+            async for response in call:
+                if response.HasField("message"):  # skip keepalive frames
+                    yield Message.from_proto(response.message)
+        except grpc.RpcError as err:
+            if self._closed and err.code() == grpc.StatusCode.CANCELLED:
+                return
+            raise map_rpc_error(err, "Consume") from err
+        except asyncio.CancelledError:
+            # grpc.aio reports a call cancelled by close() as CancelledError; swallow
+            # only that one, never a cancellation of the consuming task itself.
+            task = asyncio.current_task()
+            if self._closed and task is not None and not task.cancelling():
+                return
+            raise
+        finally:
+            call.cancel()
+
+    async def ack(self, queue: str, message_id: str) -> None:
+        request = service_pb2.AckRequest(queue=queue, message_id=message_id)
+        await self._unary(self._service.Ack, request)
+
+    async def nack(self, queue: str, message_id: str, error: str = "") -> None:
+        request = service_pb2.NackRequest(queue=queue, message_id=message_id, error=error)
+        await self._unary(self._service.Nack, request)
+
+    # Admin.
+
+    async def create_queue(
+        self,
+        name: str,
+        *,
+        on_enqueue: str | None = None,
+        on_failure: str | None = None,
+        visibility_timeout_ms: int | None = None,
+    ) -> str:
+        config = queue_config(on_enqueue, on_failure, visibility_timeout_ms)
+        request = admin_pb2.CreateQueueRequest(name=name, config=config)
+        return (await self._unary(self._admin.CreateQueue, request)).queue_id
+
+    async def delete_queue(self, name: str) -> None:
+        await self._unary(self._admin.DeleteQueue, admin_pb2.DeleteQueueRequest(queue=name))
+
+    async def list_queues(self) -> list[QueueInfo]:
+        response = await self._unary(self._admin.ListQueues, admin_pb2.ListQueuesRequest())
+        return [QueueInfo.from_proto(q) for q in response.queues]
+
+    async def get_stats(self, queue: str) -> QueueStats:
+        request = admin_pb2.GetStatsRequest(queue=queue)
+        return QueueStats.from_proto(await self._unary(self._admin.GetStats, request))
+
+    async def set_config(self, key: str, value: str) -> None:
+        await self._unary(self._admin.SetConfig, admin_pb2.SetConfigRequest(key=key, value=value))
+
+    async def get_config(self, key: str) -> str:
+        request = admin_pb2.GetConfigRequest(key=key)
+        return (await self._unary(self._admin.GetConfig, request)).value
+
+    async def list_config(self, prefix: str = "") -> ConfigListing:
+        request = admin_pb2.ListConfigRequest(prefix=prefix)
+        return ConfigListing.from_proto(await self._unary(self._admin.ListConfig, request))
+
+    async def redrive(self, dlq_queue: str, count: int = 0) -> int:
+        request = admin_pb2.RedriveRequest(dlq_queue=dlq_queue, count=count)
+        return (await self._unary(self._admin.Redrive, request)).redriven

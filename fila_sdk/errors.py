@@ -1,0 +1,81 @@
+"""Exceptions raised by `fila_sdk`: one class per way a request can fail.
+
+Callers branch on the class, never on message text or status codes, so that
+`except QueueNotFoundError` keeps working if the broker rewords a message.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+__all__ = [
+    "ApiKeyNotFoundError",
+    "ConfigKeyNotFoundError",
+    "FilaError",
+    "InvalidArgumentError",
+    "MessageNotFoundError",
+    "PermissionDeniedError",
+    "QueueAlreadyExistsError",
+    "QueueNotFoundError",
+    "RPCError",
+    "ResourceExhaustedError",
+    "UnauthenticatedError",
+    "UnavailableError",
+]
+
+
+class FilaError(Exception):
+    """Root of every SDK error; `message` is the broker's own wording."""
+
+    def __init__(self, message: str, code: grpc.StatusCode) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+
+
+class QueueNotFoundError(FilaError):
+    pass
+
+
+class QueueAlreadyExistsError(FilaError):
+    pass
+
+
+class MessageNotFoundError(FilaError):
+    """The id is not leased in that queue: already acked, expired or never delivered."""
+
+
+class ConfigKeyNotFoundError(FilaError):
+    pass
+
+
+class ApiKeyNotFoundError(FilaError):
+    pass
+
+
+class InvalidArgumentError(FilaError):
+    pass
+
+
+class UnauthenticatedError(FilaError):
+    pass
+
+
+class PermissionDeniedError(FilaError):
+    pass
+
+
+class ResourceExhaustedError(FilaError):
+    """The broker is shedding load; retrying later is the expected reaction."""
+
+
+class UnavailableError(FilaError):
+    """The broker could not be reached or is shutting down."""
+
+
+class RPCError(FilaError):
+    """Any failure without a dedicated class, kept raw for logging."""
+
+    @property
+    def details(self) -> str:
+        return self.message

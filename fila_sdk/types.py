@@ -1,0 +1,133 @@
+"""Plain, immutable records returned by the clients.
+
+Callers get these instead of protobuf objects so that they can hash, compare and
+pickle results, and so that a change in the wire schema does not ripple into
+application code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from fila.v1 import admin_pb2, messages_pb2
+
+__all__ = [
+    "ConfigEntry",
+    "ConfigListing",
+    "FairnessKeyStats",
+    "Message",
+    "QueueInfo",
+    "QueueStats",
+    "ThrottleKeyStats",
+]
+
+
+def _time(stamp: Timestamp, present: bool) -> datetime | None:
+    # An unset Timestamp decodes as the epoch; None says "never happened" instead.
+    return stamp.ToDatetime(tzinfo=UTC) if present else None
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    id: str
+    queue: str
+    headers: dict[str, str]
+    payload: bytes
+    fairness_key: str
+    weight: int
+    throttle_keys: tuple[str, ...]
+    attempt_count: int
+    enqueued_at: datetime | None
+    leased_at: datetime | None
+
+    @classmethod
+    def from_proto(cls, msg: messages_pb2.Message) -> Message:
+        meta, times = msg.metadata, msg.timestamps
+        return cls(
+            id=msg.id,
+            queue=meta.queue_id,
+            headers=dict(msg.headers),
+            payload=msg.payload,
+            fairness_key=meta.fairness_key,
+            weight=meta.weight,
+            throttle_keys=tuple(meta.throttle_keys),
+            attempt_count=meta.attempt_count,
+            enqueued_at=_time(times.enqueued_at, times.HasField("enqueued_at")),
+            leased_at=_time(times.leased_at, times.HasField("leased_at")),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class QueueInfo:
+    name: str
+    depth: int
+    in_flight: int
+    active_consumers: int
+
+    @classmethod
+    def from_proto(cls, info: admin_pb2.QueueInfo) -> QueueInfo:
+        return cls(info.name, info.depth, info.in_flight, info.active_consumers)
+
+
+@dataclass(frozen=True, slots=True)
+class FairnessKeyStats:
+    key: str
+    pending_count: int
+    current_deficit: int
+    weight: int
+
+
+@dataclass(frozen=True, slots=True)
+class ThrottleKeyStats:
+    key: str
+    tokens: float
+    rate_per_second: float
+    burst: float
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    depth: int
+    in_flight: int
+    active_fairness_keys: int
+    active_consumers: int
+    quantum: int
+    per_key: tuple[FairnessKeyStats, ...]
+    per_throttle: tuple[ThrottleKeyStats, ...]
+
+    @classmethod
+    def from_proto(cls, resp: admin_pb2.GetStatsResponse) -> QueueStats:
+        return cls(
+            depth=resp.depth,
+            in_flight=resp.in_flight,
+            active_fairness_keys=resp.active_fairness_keys,
+            active_consumers=resp.active_consumers,
+            quantum=resp.quantum,
+            per_key=tuple(
+                FairnessKeyStats(s.key, s.pending_count, s.current_deficit, s.weight)
+                for s in resp.per_key_stats
+            ),
+            per_throttle=tuple(
+                ThrottleKeyStats(s.key, s.tokens, s.rate_per_second, s.burst)
+                for s in resp.per_throttle_stats
+            ),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigEntry:
+    key: str
+    value: str
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigListing:
+    entries: tuple[ConfigEntry, ...]
+    total_count: int
+
+    @classmethod
+    def from_proto(cls, resp: admin_pb2.ListConfigResponse) -> ConfigListing:
+        return cls(tuple(ConfigEntry(e.key, e.value) for e in resp.entries), resp.total_count)

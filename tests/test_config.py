@@ -1,0 +1,244 @@
+"""fila.config: parsing, validation, search order and environment overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from fila import config as cfg
+from fila.config import (
+    Config,
+    ConfigError,
+    LuaSection,
+    SchedulerSection,
+    ServerSection,
+    StorageSection,
+    TlsSection,
+    default_config_text,
+    load_config,
+    parse_config,
+)
+
+
+@pytest.fixture
+def no_system_config(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """Point the /etc fallback at a temp path (absent until a test writes it); cwd empty."""
+    etc = tmp_path / "etc" / "fila.toml"
+    monkeypatch.setattr(cfg, "SEARCH_PATHS", (Path("fila.toml"), etc))
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    return etc
+
+
+# --- the shipped default file -------------------------------------------------------
+
+
+def test_default_toml_parses_to_builtin_defaults() -> None:
+    assert parse_config(default_config_text(), "default.toml") == Config()
+
+
+def test_default_toml_lists_every_key_with_a_comment() -> None:
+    text = default_config_text()
+    doc = tomllib.loads(text)
+    defaults = Config()
+    expected = {
+        section.name: {f.name for f in dataclasses.fields(getattr(defaults, section.name))}
+        for section in dataclasses.fields(Config)
+    }
+    assert {name: set(table) for name, table in doc.items()} == expected
+    lines = text.splitlines()
+    for i, line in enumerate(lines):
+        if "=" in line and not line.startswith("#"):
+            assert lines[i - 1].startswith("# "), f"no comment above {line!r}"
+
+
+# --- parse_config ---------------------------------------------------------------------
+
+
+def test_empty_document_is_defaults() -> None:
+    assert parse_config("", "x.toml") == Config()
+
+
+def test_values_are_read_into_typed_sections() -> None:
+    config = parse_config(
+        """
+        [server]
+        listen_addr = "0.0.0.0:6000"
+        max_message_bytes = 1024
+        [storage]
+        persist_mode = "buffer"
+        data_dir = "/var/lib/fila"
+        [scheduler]
+        quantum = 4
+        [lua]
+        circuit_breaker_cooldown_ms = 0
+        [tls]
+        cert_file = "c.pem"
+        key_file = "k.pem"
+        ca_file = "ca.pem"
+        """,
+        "x.toml",
+    )
+    assert config.server == ServerSection(listen_addr="0.0.0.0:6000", max_message_bytes=1024)
+    assert config.storage == StorageSection(data_dir="/var/lib/fila", persist_mode="buffer")
+    assert config.scheduler == SchedulerSection(quantum=4)
+    assert config.lua == LuaSection(circuit_breaker_cooldown_ms=0)
+    assert config.tls == TlsSection(cert_file="c.pem", key_file="k.pem", ca_file="ca.pem")
+
+
+def test_config_is_immutable() -> None:
+    config = Config()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.server.listen_addr = "x"  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    ("text", "key", "why"),
+    [
+        ("[server]\nfoo = 1", '"server.foo"', "unknown key"),
+        ("[nope]\na = 1", '"nope"', "unknown section"),
+        ("top = 1", '"top"', "unknown key"),
+        ("server = 1", '"server"', "must be a table"),
+        ('[scheduler]\nquantum = "4"', '"scheduler.quantum"', "must be an integer"),
+        ("[scheduler]\nquantum = true", '"scheduler.quantum"', "must be an integer"),
+        ("[scheduler]\nquantum = 1.5", '"scheduler.quantum"', "must be an integer"),
+        ("[server]\nlisten_addr = 5555", '"server.listen_addr"', "must be a string"),
+        ("[server]\nlisten_addr = [1]", '"server.listen_addr"', "must be a string"),
+        ('[storage]\npersist_mode = "fast"', '"storage.persist_mode"', '"sync", "buffer"'),
+        ("[storage]\npersist_mode = true", '"storage.persist_mode"', '"sync", "buffer"'),
+        ("[scheduler]\nquantum = 0", '"scheduler.quantum"', ">= 1"),
+        ("[scheduler]\nconsumer_buffer = 0", '"scheduler.consumer_buffer"', ">= 1"),
+        ("[server]\nmax_message_bytes = -1", '"server.max_message_bytes"', ">= 1"),
+        ("[lua]\ndefault_timeout_ms = 0", '"lua.default_timeout_ms"', ">= 1"),
+        ("[lua]\ncircuit_breaker_threshold = 0", '"lua.circuit_breaker_threshold"', ">= 1"),
+        ("[lua]\ncircuit_breaker_cooldown_ms = -1", '"lua.circuit_breaker_cooldown_ms"', ">= 0"),
+        ('[tls]\nkey_file = "k"', '"tls.key_file"', 'requires "tls.cert_file"'),
+        ('[tls]\ncert_file = "c"', '"tls.cert_file"', 'requires "tls.key_file"'),
+        ('[tls]\ncert_file = "c"\nkey_file = "k"\nca_file = ""', None, None),
+        ('[tls]\nca_file = "ca"', '"tls.ca_file"', '"tls.cert_file" and "tls.key_file"'),
+        ("[server\nfoo = 1", None, "invalid TOML"),
+        ("[server]\na = 1\na = 2", None, "invalid TOML"),
+    ],
+)
+def test_invalid_values_name_the_key_and_the_file(
+    text: str, key: str | None, why: str | None
+) -> None:
+    if why is None:
+        parse_config(text, "conf/fila.toml")
+        return
+    with pytest.raises(ConfigError) as err:
+        parse_config(text, "conf/fila.toml")
+    message = str(err.value)
+    assert message.startswith("conf/fila.toml: ")
+    assert why in message
+    if key is not None:
+        assert key in message
+    assert "\n" not in message
+
+
+# --- load_config: search order --------------------------------------------------------
+
+
+def _write(path: Path, quantum: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"[scheduler]\nquantum = {quantum}\n", encoding="utf-8")
+    return path
+
+
+def test_no_file_anywhere_gives_defaults(no_system_config: Path) -> None:
+    assert load_config(None, {}) == (Config(), None)
+
+
+def test_system_file_is_the_last_resort(no_system_config: Path) -> None:
+    _write(no_system_config, 5)
+    config, path = load_config(None, {})
+    assert (config.scheduler.quantum, path) == (5, no_system_config)
+
+
+def test_cwd_file_beats_system_file(no_system_config: Path) -> None:
+    _write(no_system_config, 5)
+    _write(Path("fila.toml"), 4)
+    config, path = load_config(None, {})
+    assert (config.scheduler.quantum, path) == (4, Path("fila.toml"))
+
+
+def test_env_file_beats_cwd_file(no_system_config: Path, tmp_path: Path) -> None:
+    _write(Path("fila.toml"), 4)
+    env_file = _write(tmp_path / "env.toml", 3)
+    config, path = load_config(None, {"FILA_CONFIG": str(env_file)})
+    assert (config.scheduler.quantum, path) == (3, env_file)
+
+
+def test_cli_file_beats_env_file(no_system_config: Path, tmp_path: Path) -> None:
+    _write(Path("fila.toml"), 4)
+    env_file = _write(tmp_path / "env.toml", 3)
+    cli_file = _write(tmp_path / "cli.toml", 2)
+    config, path = load_config(str(cli_file), {"FILA_CONFIG": str(env_file)})
+    assert (config.scheduler.quantum, path) == (2, cli_file)
+
+
+def test_missing_cli_file_is_an_error_not_a_fallback(no_system_config: Path) -> None:
+    _write(Path("fila.toml"), 4)
+    with pytest.raises(ConfigError, match=r"^missing\.toml: config file not found.*--config"):
+        load_config("missing.toml", {})
+
+
+def test_missing_env_file_is_an_error_not_a_fallback(no_system_config: Path) -> None:
+    _write(Path("fila.toml"), 4)
+    with pytest.raises(ConfigError, match=r"^gone\.toml: config file not found.*FILA_CONFIG"):
+        load_config(None, {"FILA_CONFIG": "gone.toml"})
+
+
+def test_errors_in_a_found_file_name_its_path(no_system_config: Path) -> None:
+    Path("fila.toml").write_text("[storage]\npersist_mode = 'fast'\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r'^fila\.toml: "storage\.persist_mode"'):
+        load_config(None, {})
+
+
+def test_unreadable_file_is_a_config_error(no_system_config: Path, tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read config file"):
+        load_config(str(tmp_path), {})
+    binary = tmp_path / "bin.toml"
+    binary.write_bytes(b"\xff\xfe[server]\n")
+    with pytest.raises(ConfigError, match=r"bin\.toml: cannot read config file"):
+        load_config(str(binary), {})
+
+
+# --- load_config: environment overrides -----------------------------------------------
+
+ENV = {
+    "FILA_DATA_DIR": "/srv/fila",
+    "FILA_LISTEN_ADDR": "0.0.0.0:7000",
+    "FILA_BOOTSTRAP_APIKEY": "secret",
+}
+
+
+def test_env_overrides_defaults(no_system_config: Path) -> None:
+    config, path = load_config(None, ENV)
+    assert path is None
+    assert config.storage.data_dir == "/srv/fila"
+    assert config.server.listen_addr == "0.0.0.0:7000"
+    assert config.auth.bootstrap_apikey == "secret"
+    assert config.server.max_headers == ServerSection().max_headers
+
+
+def test_env_overrides_the_file(no_system_config: Path) -> None:
+    Path("fila.toml").write_text(
+        '[server]\nlisten_addr = "127.0.0.1:1"\nmax_headers = 7\n'
+        '[storage]\ndata_dir = "d"\npersist_mode = "buffer"\n'
+        '[auth]\nbootstrap_apikey = "file-key"\n',
+        encoding="utf-8",
+    )
+    config, _ = load_config(None, ENV)
+    assert config.server == ServerSection(listen_addr="0.0.0.0:7000", max_headers=7)
+    assert config.storage == StorageSection(data_dir="/srv/fila", persist_mode="buffer")
+    assert config.auth.bootstrap_apikey == "secret"
+
+
+def test_empty_env_values_are_ignored(no_system_config: Path) -> None:
+    empty = dict.fromkeys([*ENV, "FILA_CONFIG"], "")
+    assert load_config(None, empty) == (Config(), None)
