@@ -17,6 +17,7 @@ from typing import Any
 
 import grpc
 import pytest
+from support import ServerFactory
 
 from fila.server.process import ServerProcess, free_port
 from fila.v1 import messages_pb2, service_pb2, service_pb2_grpc
@@ -31,6 +32,7 @@ from fila_sdk import (
     QueueAlreadyExistsError,
     QueueNotFoundError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
 )
 
@@ -432,3 +434,25 @@ def test_keepalives_skipped_and_status_only_errors_mapped(fake: tuple[str, FakeS
 def test_client_cert_requires_key() -> None:
     with pytest.raises(ValueError, match="together"):
         Client("localhost:1", client_cert=b"cert")
+
+
+def test_api_key_auth(server_factory: ServerFactory) -> None:
+    key = "bootstrap-" + uuid.uuid4().hex
+    srv = server_factory(env={"FILA_BOOTSTRAP_APIKEY": key})
+    with Client(srv.addr) as anonymous, pytest.raises(UnauthenticatedError):
+        anonymous.list_queues()
+    with Client(srv.addr, api_key="wrong") as wrong, pytest.raises(UnauthenticatedError):
+        wrong.create_queue(unique("x"))
+    with Client(srv.addr, api_key=key) as c:
+        name = unique("auth")
+        c.create_queue(name)
+        assert name in {q.name for q in c.list_queues()}
+
+    async def scenario() -> None:
+        async with AsyncClient(srv.addr, api_key=key) as ac:
+            assert await ac.enqueue(name, None, b"x")
+        async with AsyncClient(srv.addr) as anon:
+            with pytest.raises(UnauthenticatedError):
+                await anext(anon.consume(name))
+
+    asyncio.run(scenario())

@@ -1,4 +1,4 @@
-"""The single owner of broker state.
+r"""The single owner of broker state.
 
 Every queue, DRR ring, lease, delayed retry, throttle bucket and Lua state is
 created, read and changed only here, on the event loop, so there are no locks
@@ -177,7 +177,9 @@ class Broker:
 
     # ----------------------------------------------------------------- enqueue
 
-    def enqueue(self, queue_name: str, items: Sequence[EnqueueItem]) -> tuple[list[str], asyncio.Future[None]]:
+    def enqueue(
+        self, queue_name: str, items: Sequence[EnqueueItem]
+    ) -> tuple[list[str], asyncio.Future[None]]:
         """Stores a batch of messages; all are checked before any is written."""
         self._check_open()
         queue = self._queue(queue_name)
@@ -214,7 +216,12 @@ class Broker:
             ids.append(message_id)
             refs.append(
                 MessageRef(
-                    key, message_id, decision.fairness_key, decision.weight, decision.throttle_keys, 0
+                    key,
+                    message_id,
+                    decision.fairness_key,
+                    decision.weight,
+                    decision.throttle_keys,
+                    0,
                 )
             )
         self._settle_after_commit(queue, refs, front=False)
@@ -309,7 +316,9 @@ class Broker:
                 waiting.popleft()
                 consumer.waiting = False
         if drr.has_parked and queue.throttle_wake_ms is None:
-            wait_s = min(throttles.seconds_until_available(h.throttle_keys) for h in drr.parked_heads)
+            wait_s = min(
+                throttles.seconds_until_available(h.throttle_keys) for h in drr.parked_heads
+            )
             queue.throttle_wake_ms = self.clock.now_ms() + max(1, int(wait_s * 1000) + 1)
             self.timers.at(queue.throttle_wake_ms, self._throttle_wake, queue)
 
@@ -550,11 +559,13 @@ class Broker:
         committer.delete(keys.queue_key(queue.name))
 
     def add_recovered_queue(self, record: QueueRecord) -> Queue:
-        """Recovery only: scripts were accepted once, so a script failing now is logged, not fatal."""
+        """Recovery only: a stored script that no longer loads is logged, not fatal."""
         try:
             hooks = self._make_hooks(record)
         except InvalidArgument as exc:
-            log.error("queue %s: stored script no longer loads, hooks disabled: %s", record.name, exc)
+            log.error(
+                "queue %s: stored script no longer loads, hooks disabled: %s", record.name, exc
+            )
             hooks = None
         queue = Queue(record, hooks, self.settings.quantum)
         self.queues[record.name] = queue

@@ -27,11 +27,11 @@ def validate_queue_name(name: str) -> None:
         raise InvalidArgument("queue name must not be empty")
     limit = MAX_QUEUE_NAME + len(DLQ_SUFFIX) if name.endswith(DLQ_SUFFIX) else MAX_QUEUE_NAME
     if len(name) > limit:
-        raise InvalidArgument(f"queue name is {len(name)} characters, the limit is {MAX_QUEUE_NAME}")
-    if not _NAME_RE.fullmatch(name):
         raise InvalidArgument(
-            f'queue name "{name}" may only contain letters, digits and . _ - :'
+            f"queue name is {len(name)} characters, the limit is {MAX_QUEUE_NAME}"
         )
+    if not _NAME_RE.fullmatch(name):
+        raise InvalidArgument(f'queue name "{name}" may only contain letters, digits and . _ - :')
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,8 +56,8 @@ class QueueRecord:
 class Queue:
     __slots__ = (
         "consumers",
-        "deleted",
         "delayed",
+        "deleted",
         "drr",
         "hooks",
         "in_limbo",

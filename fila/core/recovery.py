@@ -94,6 +94,11 @@ def recover(broker: Broker) -> RecoveryReport:
     broker.mark_all_dirty()
     log.info(
         "recovered queues=%d ready=%d leased=%d expired=%d delayed=%d orphans=%d",
-        report.queues, report.ready, report.leased, report.expired, report.delayed, report.orphans,
+        report.queues,
+        report.ready,
+        report.leased,
+        report.expired,
+        report.delayed,
+        report.orphans,
     )
     return report

@@ -10,10 +10,10 @@ filter refuses every attribute of it.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from importlib import resources
 from typing import Any, cast
-
 
 from lupa import lua54
 
@@ -106,10 +106,9 @@ class LuaSandbox:
 
     def _collect(self) -> None:
         """Frees what a failed call left behind so the next call gets the full memory cap."""
-        try:
+        # Out of memory even for the collector call: the next failed call retries.
+        with contextlib.suppress(lua54.LuaError):
             self._run_collect(self._budget_s)
-        except lua54.LuaError:
-            pass  # out of memory even for the collector call; the next call will retry
 
 
 def _config_getter(config_get: Callable[[str], str | None]) -> Callable[[object], str | None]:

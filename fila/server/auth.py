@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeAlias
 
 import grpc
 
 from fila.wire import ERROR_KIND_METADATA_KEY, ErrorKind
+
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
@@ -38,20 +40,20 @@ def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.aio.ServerInterceptor):
+class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(self, verifier: KeyVerifier) -> None:
         self._verifier = verifier
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[Handler]],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> Handler:
         handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
-        presented = _bearer(handler_call_details.invocation_metadata)  # type: ignore[arg-type]
+        presented = _bearer(handler_call_details.invocation_metadata)
         if presented is None:
             return _refusal(handler, "missing API key: send authorization: Bearer <key>")
         if not self._verifier.verify(presented):
@@ -59,7 +61,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-def _refusal(handler: grpc.RpcMethodHandler, message: str) -> grpc.RpcMethodHandler:
+def _refusal(handler: Handler, message: str) -> Handler:
     async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
         await context.abort(
             grpc.StatusCode.UNAUTHENTICATED,

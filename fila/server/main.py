@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import grpc
+from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
@@ -83,7 +84,7 @@ async def serve(config: Config) -> int:
     server = grpc.aio.server(options=_server_options(config), interceptors=interceptors)
     server.add_generic_rpc_handlers((FilaService(broker).generic_handler(),))
     admin_pb2_grpc.add_FilaAdminServicer_to_server(FilaAdmin(broker), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (
@@ -128,8 +129,14 @@ async def serve(config: Config) -> int:
     await server.stop(config.server.shutdown_grace_ms / 1000)
     if not failure:
         committer.flush_now()
+    committer.close()
     db.close()
-    log.info("stopped")
+    log.info(
+        "stopped batches_written=%d ops_written=%d fsyncs=%d",
+        committer.batches_written,
+        committer.ops_written,
+        committer.syncs,
+    )
     return 3 if failure else 0
 
 
@@ -143,8 +150,16 @@ def _configure_logging() -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="fila-server", description="The Fila message broker.")
-    parser.add_argument("--config", metavar="PATH", help="TOML config file (else FILA_CONFIG, ./fila.toml, /etc/fila/fila.toml)")
-    parser.add_argument("--print-default-config", action="store_true", help="print the built-in configuration and exit")
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        help="TOML config file (else FILA_CONFIG, ./fila.toml, /etc/fila/fila.toml)",
+    )
+    parser.add_argument(
+        "--print-default-config",
+        action="store_true",
+        help="print the built-in configuration and exit",
+    )
     parser.add_argument("--version", action="version", version=f"fila-server {__version__}")
     args = parser.parse_args(argv)
     if args.print_default_config:

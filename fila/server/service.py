@@ -57,7 +57,9 @@ class FilaService:
             broker.detach_consumer(consumer)
 
     @unary_errors
-    async def ack(self, request: service_pb2.AckRequest, context: Context) -> service_pb2.AckResponse:
+    async def ack(
+        self, request: service_pb2.AckRequest, context: Context
+    ) -> service_pb2.AckResponse:
         await self._broker.ack(request.queue, request.message_id)
         return service_pb2.AckResponse()
 
@@ -68,7 +70,7 @@ class FilaService:
         await self._broker.nack(request.queue, request.message_id, request.error)
         return service_pb2.NackResponse()
 
-    def generic_handler(self) -> grpc.GenericRpcHandler:
+    def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         def identity(frame: bytes) -> bytes:
             return frame
 
