@@ -1,14 +1,10 @@
 #!/usr/bin/env bash
 # The one way to run the test suite: ./scripts/test.sh [pytest args...]
-# Uses .venv when present (as .ci/run creates it), else the python3 on PATH.
+# Sets up .venv on first use, then runs pytest against real fila-server processes.
 # Runs all of tests/ unless a test path (file, dir or file::node) is given.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-
-py=python3
-if [[ -x .venv/bin/python ]]; then
-  py=.venv/bin/python
-fi
+scripts/setup.sh
 
 targets=(tests)
 for arg in "$@"; do
@@ -18,4 +14,4 @@ for arg in "$@"; do
   fi
 done
 
-exec "$py" -m pytest -q -x --timeout=300 "${targets[@]}" "$@"
+exec .venv/bin/python -m pytest -q --timeout=300 "${targets[@]}" "$@"
