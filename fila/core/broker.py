@@ -101,7 +101,7 @@ class Broker:
         self.queues: dict[str, Queue] = {}
         self.config = RuntimeConfig()
         self.throttles = Throttles(clock)
-        self.timers = Timers(clock)
+        self.timers = Timers(clock, _timer_subject_is_live)
         self.counters = BrokerCounters()
         self._dirty: set[Queue] = set()
         self._pump_scheduled = False
@@ -274,15 +274,15 @@ class Broker:
 
     def consumer_took(self, consumer: Consumer, lease: Lease) -> bool:
         """The stream is about to send `lease`; False if the lease ended while buffered."""
-        if not lease.active:
-            return False
-        lease.sent = True
         if not consumer.waiting and consumer.has_room:
             queue = self.queues.get(consumer.queue_name)
             if queue is not None and consumer.id in queue.consumers:
                 queue.waiting.append(consumer)
                 consumer.waiting = True
                 self._mark_dirty(queue)
+        if not lease.active:
+            return False
+        lease.sent = True
         return True
 
     def _mark_dirty(self, queue: Queue) -> None:
@@ -601,3 +601,14 @@ class Broker:
                 consumer.close(Unavailable("broker is shutting down"))
         self.committer.flush_now()
         self.timers.close()
+
+
+def _timer_subject_is_live(subject: object) -> bool:
+    """Whether a timer entry can still matter (see `Timers`): leases and delayed
+    retries that ended are dead; throttle wake-ups are cheap and always kept."""
+    if isinstance(subject, tuple):
+        queue, item = subject
+        if isinstance(item, Lease):
+            return item.active
+        return not queue.deleted and queue.delayed.get(item.id) is item
+    return True

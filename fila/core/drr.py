@@ -65,7 +65,10 @@ class Drr:
         while ring:
             key = ring[0]
             if not self._turn_open:
-                key.deficit += self.quantum * key.weight
+                # Only a parked key ends a turn with deficit left; capping keeps a
+                # key that is parked again and again from saving up a burst.
+                share = self.quantum * key.weight
+                key.deficit = min(key.deficit + share, share)
                 self._turn_open = True
             if key.deficit <= 0:
                 ring.rotate(-1)

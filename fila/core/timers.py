@@ -1,8 +1,10 @@
 """Deadlines the scheduler must act on: lease expiry, delayed retries, throttle wake-ups.
 
 One heap and one pending `call_later` handle for the earliest entry, instead
-of a timer handle per message. Entries are never removed; the callback checks
-whether its subject is still current (a lease that was acked is inactive).
+of a timer handle per message. Entries are not removed when their subject ends
+(a lease that was acked); the callback checks whether it is still current.
+So that a long visibility timeout under heavy traffic does not pile up dead
+entries, the heap is rebuilt from live entries whenever it doubles.
 """
 
 from __future__ import annotations
@@ -15,10 +17,14 @@ from typing import Any
 
 from fila.core.clock import Clock
 
+_MIN_COMPACT = 10_000
+
 
 class Timers:
-    def __init__(self, clock: Clock) -> None:
+    def __init__(self, clock: Clock, is_live: Callable[[Any], bool]) -> None:
         self._clock = clock
+        self._is_live = is_live
+        self._compact_above = _MIN_COMPACT
         self._heap: list[tuple[int, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
         self._handle: asyncio.TimerHandle | None = None
@@ -26,6 +32,8 @@ class Timers:
 
     def at(self, when_ms: int, callback: Callable[[Any], None], arg: Any) -> None:
         heapq.heappush(self._heap, (when_ms, next(self._seq), callback, arg))
+        if len(self._heap) > self._compact_above:
+            self._compact()
         if self._armed_for is None or when_ms < self._armed_for:
             self._arm()
 
@@ -37,6 +45,13 @@ class Timers:
             self._handle.cancel()
             self._handle = None
         self._heap.clear()
+
+    def _compact(self) -> None:
+        is_live = self._is_live
+        self._heap = [entry for entry in self._heap if is_live(entry[3])]
+        heapq.heapify(self._heap)
+        self._compact_above = max(_MIN_COMPACT, 2 * len(self._heap))
+        self._armed_for = None  # the earliest entry may have been dropped; re-arm
 
     def _arm(self) -> None:
         if self._handle is not None:

@@ -115,7 +115,7 @@ class Committer:
 
     def flush_now(self) -> None:
         """Writes and fsyncs everything pending, synchronously (recovery and shutdown)."""
-        self._write_batch()
+        self._write_batch(start_sync=False)
         if self._failed is None and self._unsynced:
             self._finish_sync(self._take_unsynced(), self._fsync())
 
@@ -131,7 +131,7 @@ class Committer:
             self._scheduled = True
             asyncio.get_running_loop().call_soon(self._write_batch)
 
-    def _write_batch(self) -> None:
+    def _write_batch(self, start_sync: bool = True) -> None:
         """Appends the open batch to the WAL (no fsync, a few microseconds) and starts a sync."""
         self._scheduled = False
         batch, ops = self._batch, self._ops
@@ -154,7 +154,7 @@ class Committer:
             waiters.succeed()
         elif waiters:
             self._unsynced.append(waiters)
-            if not self._syncing:
+            if start_sync and not self._syncing:
                 self._start_sync()
 
     def _start_sync(self) -> None:
