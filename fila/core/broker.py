@@ -25,7 +25,6 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from rocksdict import Rdict
-from uuid6 import uuid7
 
 from fila.config import Config
 from fila.core.clock import Clock
@@ -39,6 +38,7 @@ from fila.core.errors import (
     Unavailable,
 )
 from fila.core.frames import delivery_frame, timestamp
+from fila.core.ids import IdGenerator
 from fila.core.queue import DLQ_SUFFIX, Queue, QueueRecord, validate_queue_name
 from fila.core.records import Lease, MessageRef
 from fila.core.runtime_config import RuntimeConfig, ThrottleChange, validate_entry
@@ -103,6 +103,7 @@ class Broker:
         self.throttles = Throttles(clock)
         self.timers = Timers(clock, _timer_subject_is_live)
         self.counters = BrokerCounters()
+        self.ids = IdGenerator(clock)
         self._dirty: set[Queue] = set()
         self._pump_scheduled = False
         self._closing = False
@@ -197,9 +198,8 @@ class Broker:
                 if hooks is not None
                 else DEFAULT_ENQUEUE
             )
-            uid = uuid7()
-            message_id = str(uid)
-            key = keys.MESSAGE + uid.bytes
+            raw_id, message_id = self.ids.next()
+            key = keys.MESSAGE + raw_id
             message = messages_pb2.Message(
                 id=message_id,
                 headers=item.headers,
@@ -241,10 +241,10 @@ class Broker:
             raise InvalidArgument(
                 f"message has {len(headers)} headers, the limit is {settings.max_headers}"
             )
-        size = sum(len(k) + len(v) for k, v in headers.items())
+        size = sum(len(k.encode()) + len(v.encode()) for k, v in headers.items())
         if size > settings.max_header_bytes:
             raise InvalidArgument(
-                f"headers total {size} characters, the limit is {settings.max_header_bytes}"
+                f"headers total {size} bytes, the limit is {settings.max_header_bytes}"
             )
 
     # ----------------------------------------------------------------- consume
@@ -272,18 +272,25 @@ class Broker:
             if lease.active and not lease.sent:
                 self._return_unsent(queue, lease)
 
-    def consumer_took(self, consumer: Consumer, lease: Lease) -> bool:
+    @staticmethod
+    def consumer_took(lease: Lease) -> bool:
         """The stream is about to send `lease`; False if the lease ended while buffered."""
-        if not consumer.waiting and consumer.has_room:
-            queue = self.queues.get(consumer.queue_name)
-            if queue is not None and consumer.id in queue.consumers:
-                queue.waiting.append(consumer)
-                consumer.waiting = True
-                self._mark_dirty(queue)
         if not lease.active:
             return False
         lease.sent = True
         return True
+
+    def _end_lease(self, queue: Queue, lease: Lease) -> None:
+        """Every way a lease ends comes here, so its consumer gets the slot back."""
+        lease.active = False
+        consumer = lease.consumer
+        if consumer is None:
+            return
+        consumer.unsettled -= 1
+        if not consumer.waiting and consumer.has_room and consumer.id in queue.consumers:
+            queue.waiting.append(consumer)
+            consumer.waiting = True
+            self._mark_dirty(queue)
 
     def _mark_dirty(self, queue: Queue) -> None:
         self._dirty.add(queue)
@@ -349,7 +356,7 @@ class Broker:
         lease = queue.leases.pop(message_id, None)
         if lease is None:
             raise MessageNotFound(queue_name, message_id)
-        lease.active = False
+        self._end_lease(queue, lease)
         key = lease.ref.key
         self.committer.delete(key)
         self.committer.delete(keys.lease_key(key))
@@ -362,7 +369,7 @@ class Broker:
         lease = queue.leases.pop(message_id, None)
         if lease is None:
             raise MessageNotFound(queue_name, message_id)
-        lease.active = False
+        self._end_lease(queue, lease)
         self.counters.nacked += 1
         self._fail(queue, lease, error, run_hook=True)
         return self.committer.flushed()
@@ -371,13 +378,13 @@ class Broker:
         queue, lease = subject
         if not lease.active:
             return
-        lease.active = False
-        del queue.leases[lease.ref.id]
-        if lease.sent:
-            self.counters.expired += 1
-            self._fail(queue, lease, "visibility timeout expired", run_hook=False)
-        else:
+        if not lease.sent:
             self._return_unsent(queue, lease)
+            return
+        self._end_lease(queue, lease)
+        del queue.leases[lease.ref.id]
+        self.counters.expired += 1
+        self._fail(queue, lease, "visibility timeout expired", run_hook=False)
 
     def _fail(self, queue: Queue, lease: Lease, error: str, *, run_hook: bool) -> None:
         """A delivery failed: count the attempt, then retry now, later, or dead-letter."""
@@ -419,7 +426,7 @@ class Broker:
 
     def _return_unsent(self, queue: Queue, lease: Lease) -> None:
         """A leased message never reached its consumer: back to ready, no attempt counted."""
-        lease.active = False
+        self._end_lease(queue, lease)
         queue.leases.pop(lease.ref.id, None)
         self.committer.delete(keys.lease_key(lease.ref.key))
         queue.drr.push(lease.ref, front=True)

@@ -1,10 +1,13 @@
 """One open `Consume` stream, seen from the scheduler.
 
-The scheduler leases messages into a consumer's small buffer while it has room;
-the stream handler drains the buffer into gRPC. The buffer bound is what keeps
-a slow consumer from hoarding messages or growing memory: once it is full the
-scheduler passes that consumer by and serves the others. Frames are fully
-encoded before they are buffered, so the handler only writes bytes.
+A consumer holds at most `capacity` unsettled leases: delivered or waiting to be
+sent, and not yet acked, nacked or expired (like a prefetch count). That bound,
+not the stream's buffer, is what keeps a slow or vanished consumer from
+hoarding messages: gRPC accepts writes as long as the client's transport keeps
+reading into its own buffers, whether or not the application reads them. Once
+full, the scheduler passes the consumer by and serves the others; a settled
+lease gives the slot back. Frames are fully encoded before they are buffered,
+so the stream handler only writes bytes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,16 @@ _ids = itertools.count(1)
 
 
 class Consumer:
-    __slots__ = ("_buffer", "_closed_with", "_waiter", "capacity", "id", "queue_name", "waiting")
+    __slots__ = (
+        "_buffer",
+        "_closed_with",
+        "_waiter",
+        "capacity",
+        "id",
+        "queue_name",
+        "unsettled",
+        "waiting",
+    )
 
     def __init__(self, queue_name: str, capacity: int) -> None:
         self.id = next(_ids)
@@ -29,14 +41,20 @@ class Consumer:
         self._buffer: deque[tuple[Lease, bytes]] = deque()
         self._waiter: asyncio.Future[None] | None = None
         self._closed_with: BrokerError | None = None
+        self.unsettled = 0
         # True while the consumer sits in its queue's list of consumers with room.
         self.waiting = False
 
     @property
     def has_room(self) -> bool:
-        return len(self._buffer) < self.capacity and self._closed_with is None
+        return self.unsettled < self.capacity and self._closed_with is None
+
+    @property
+    def closed(self) -> bool:
+        return self._closed_with is not None
 
     def offer(self, lease: Lease, frame: bytes) -> None:
+        self.unsettled += 1
         self._buffer.append((lease, frame))
         waiter = self._waiter
         if waiter is not None and not waiter.done():
@@ -69,9 +87,4 @@ class Consumer:
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
-        return unsent
-
-    def drain_unsent(self) -> list[Lease]:
-        unsent = [lease for lease, _ in self._buffer]
-        self._buffer.clear()
         return unsent

@@ -49,7 +49,9 @@ def recover(broker: Broker) -> RecoveryReport:
     }
     dues = {keys.message_key_from_side_key(k): keys.decode_due(v) for k, v in scan(db, keys.DELAY)}
     now = broker.clock.now_ms()
+    last_key = b""
     for key, record in scan(db, keys.MESSAGE):
+        last_key = key
         message = messages_pb2.Message.FromString(record)
         meta = message.metadata
         queue = broker.queues.get(meta.queue_id)
@@ -87,6 +89,8 @@ def recover(broker: Broker) -> RecoveryReport:
             continue
         queue.drr.push(ref)
         report.ready += 1
+    if last_key:
+        broker.ids.advance_past(last_key[1:])
     for key in (*leases, *dues):  # side records whose message is gone
         committer.delete(keys.lease_key(key))
         committer.delete(keys.delay_key(key))

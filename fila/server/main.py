@@ -35,8 +35,15 @@ from fila.v1 import admin_pb2, admin_pb2_grpc
 log = logging.getLogger("fila.server")
 
 
+# gRPC refuses larger requests before Fila sees them, with RESOURCE_EXHAUSTED. Keep
+# that transport bound far above the message limits, so an oversized message reaches
+# the broker's own check and gets INVALID_ARGUMENT (SPEC 3).
+MIN_TRANSPORT_LIMIT = 64 * 1024 * 1024
+
+
 def _server_options(config: Config) -> list[tuple[str, int]]:
-    frame_limit = config.server.max_message_bytes + config.server.max_header_bytes + 64 * 1024
+    message_limit = config.server.max_message_bytes + config.server.max_header_bytes
+    frame_limit = max(MIN_TRANSPORT_LIMIT, 2 * message_limit + 64 * 1024)
     return [
         ("grpc.max_receive_message_length", frame_limit),
         ("grpc.max_send_message_length", frame_limit),

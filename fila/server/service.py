@@ -49,7 +49,7 @@ class FilaService:
                         await context.write(KEEPALIVE_FRAME)
                     continue
                 lease, frame = item
-                if broker.consumer_took(consumer, lease):
+                if broker.consumer_took(lease):
                     await context.write(frame)
         except BrokerError as exc:
             await abort(context, exc)

@@ -29,16 +29,14 @@ import logging
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Literal, cast
+from typing import cast
 
 from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
+from fila.config import PersistMode
 from fila.storage.keys import prefix_end
 
 log = logging.getLogger("fila.storage")
-
-PersistMode = Literal["sync", "buffer"]
-
 
 class StorageError(Exception):
     """A write could not be made durable; the broker stops rather than diverge from disk."""

@@ -2,11 +2,66 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from fila.server.process import ServerProcess
 
 # The `server_factory` fixture: make(config_toml=, env=, persist_mode=, start=, timeout=).
 ServerFactory = Callable[..., ServerProcess]
 
-__all__ = ["ServerFactory", "ServerProcess"]
+T = TypeVar("T")
+
+
+def wait_until(
+    predicate: Callable[[], T], timeout: float, *, interval: float = 0.02, what: str = ""
+) -> T:
+    """Polls `predicate` until it returns a truthy value, and returns that value.
+
+    Raises `TimeoutError` (naming `what` and the last value seen) once `timeout`
+    seconds pass, so a condition that never holds fails the test instead of hanging
+    it. The interval only paces the polling; it is never what the test relies on.
+    """
+    deadline = time.monotonic() + timeout
+    last = predicate()
+    while not last:
+        if time.monotonic() >= deadline:
+            name = what or getattr(predicate, "__name__", repr(predicate))
+            raise TimeoutError(f"{name} not true within {timeout}s (last value: {last!r})")
+        time.sleep(interval)
+        last = predicate()
+    return last
+
+
+__all__ = ["ServerFactory", "ServerProcess", "wait_until"]
+
+
+# --- asyncio (grpc.aio) helpers -------------------------------------------------------
+# Appended for tests/test_recovery.py; usable by any test that drives the broker from
+# an event loop.
+
+import asyncio  # noqa: E402
+from collections.abc import Awaitable  # noqa: E402
+
+
+async def async_wait_until(
+    predicate: Callable[[], Awaitable[T]],
+    within: float,
+    *,
+    interval: float = 0.02,
+    what: str = "",
+) -> T:
+    """`wait_until` for an async predicate (e.g. one that calls GetStats over grpc.aio)."""
+    deadline = time.monotonic() + within
+    last = await predicate()
+    while not last:
+        if time.monotonic() >= deadline:
+            name = what or getattr(predicate, "__name__", repr(predicate))
+            raise TimeoutError(f"{name} not true within {within}s (last value: {last!r})")
+        await asyncio.sleep(interval)
+        last = await predicate()
+    return last
+
+
+__all__ += ["async_wait_until"]

@@ -1,0 +1,61 @@
+"""Durable (sync) versus buffered enqueue and drain at 1, 8 and 50 connections.
+
+The seed methodology: N producers, each on its own TCP connection with one enqueue
+in flight, for a fixed window; then N workers on those connections consume and ack
+one message at a time until the queue is empty, and the timer stops at the last ack.
+Every id answered by an enqueue must be delivered exactly once (conservation), and
+the broker must report the queue empty afterwards. In sync mode every answer waits
+for an fsync; group commit is what should make throughput grow with N. Messages are
+256 bytes, job-sized, as in the seed reports.
+"""
+
+from __future__ import annotations
+
+from fila_bench.case import Case, Context
+from fila_bench.conn import close_all, open_connections
+from fila_bench.load import check_empty, check_exactly_once, consume_until, enqueue_for
+from fila_bench.results import Result, throughput
+from fila_bench.server import PersistMode, broker
+from fila_sdk import AsyncClient
+
+CONNECTIONS = (1, 8, 50)
+PAYLOAD = b"j" * 256
+QUEUE = "jobs"
+LABELS: dict[PersistMode, str] = {"sync": "durable", "buffer": "buffered"}
+
+
+def _case(mode: PersistMode, connections: int) -> Case:
+    label = LABELS[mode]
+    enqueue_name = f"{label}_enqueue_{connections}c"
+    drain_name = f"{label}_drain_{connections}c"
+
+    async def run(ctx: Context) -> list[Result]:
+        p = ctx.profile
+        name = f"{label}_{connections}c"
+        async with broker(ctx.workdir, name, mode) as server, AsyncClient(server.addr) as admin:
+            await admin.create_queue(QUEUE)
+            conns = open_connections(server.addr, connections, dedicated=True)
+            try:
+                ctx.status(f"enqueue, {connections} connections")
+                enq = await enqueue_for(
+                    conns,
+                    connections,
+                    QUEUE,
+                    warmup_s=p.warmup_s,
+                    measure_s=p.measure_s,
+                    payload=PAYLOAD,
+                )
+                ctx.status(f"drain {len(enq.ids):,}, {connections} connections")
+                drain = await consume_until(
+                    conns, connections, QUEUE, len(enq.ids), deadline_s=p.deadline_s
+                )
+            finally:
+                await close_all(conns)
+            check_exactly_once(name, enq.ids, [m.id for m in drain.deliveries])
+            await check_empty(admin, QUEUE)
+        return [throughput(enqueue_name, enq.rate), throughput(drain_name, drain.rate)]
+
+    return Case(f"{label}_{connections}c", (enqueue_name, drain_name), run)
+
+
+CASES = [_case(mode, n) for mode in ("sync", "buffer") for n in CONNECTIONS]

@@ -1,0 +1,157 @@
+"""The `fila-bench` command: `system`, `aggregate` and `compare`.
+
+`aggregate` and `compare` are also plain click commands so they can be installed as
+the `bench-aggregate` and `bench-compare` scripts SPEC 8 names. Exit codes: 0 all
+good; 1 a benchmark failed its check (`system`) or regressed (`compare`); 2 bad
+input (unreadable results file, unknown benchmark name).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from fila_bench.aggregate import aggregate as aggregate_reports
+from fila_bench.benchmarks import all_cases
+from fila_bench.compare import compare as compare_reports
+from fila_bench.compare import regressions
+from fila_bench.profile import FULL, QUICK
+from fila_bench.report import compare_table, print_failures, results_table
+from fila_bench.results import ResultsFileError, load_report
+from fila_bench.runner import UnknownBenchmark, run_all, select
+
+
+class BadInput(click.ClickException):
+    exit_code = 2
+
+
+@click.group()
+def main() -> None:
+    """Fila's self-benchmark and its CI regression tools."""
+
+
+@main.command()
+@click.option("--quick", is_flag=True, help="Smaller counts and windows (about two minutes).")
+@click.option(
+    "--only",
+    default="",
+    metavar="NAME,...",
+    help="Run only these cases or results (names from --list; wildcards allowed).",
+)
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=Path("bench-results.json"),
+    show_default=True,
+    help="JSON results file.",
+)
+@click.option(
+    "--measure-seconds",
+    type=click.FloatRange(min=0.1),
+    help="Override the measurement window of time-bounded benchmarks.",
+)
+@click.option(
+    "--warmup-seconds",
+    type=click.FloatRange(min=0.0),
+    help="Override the warmup before each measurement window.",
+)
+@click.option(
+    "--workdir",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="Keep broker logs and configs here (default: a temporary directory).",
+)
+@click.option("--list", "list_only", is_flag=True, help="List benchmarks and exit.")
+def system(
+    quick: bool,
+    only: str,
+    out: Path,
+    measure_seconds: float | None,
+    warmup_seconds: float | None,
+    workdir: Path | None,
+    list_only: bool,
+) -> None:
+    """Start real brokers and benchmark them through fila_sdk (SPEC 8)."""
+    console = Console()
+    cases = all_cases()
+    if list_only:
+        for case in cases:
+            console.print(f"[bold]{case.name}[/]: {', '.join(case.outputs)}")
+        return
+    try:
+        selected = select(cases, [p.strip() for p in only.split(",") if p.strip()])
+    except UnknownBenchmark as exc:
+        raise BadInput(f"{exc} (see fila-bench system --list)") from None
+    profile = QUICK if quick else FULL
+    if measure_seconds is not None:
+        profile = dataclasses.replace(profile, measure_s=measure_seconds)
+    if warmup_seconds is not None:
+        profile = dataclasses.replace(profile, warmup_s=warmup_seconds)
+
+    _warn_if_busy(console)
+    if workdir is not None:
+        workdir.mkdir(parents=True, exist_ok=True)
+        report = run_all(selected, profile, workdir, Console(stderr=True))
+    else:
+        with tempfile.TemporaryDirectory(prefix="fila-bench-") as tmp:
+            report = run_all(selected, profile, Path(tmp), Console(stderr=True))
+
+    report.write(out)
+    title = f"fila-bench system ({profile.name}, commit {report.commit[:12]})"
+    console.print(results_table(report, title))
+    console.print(f"results written to {out}")
+    print_failures(console, report.failures)
+    if report.failures:
+        raise SystemExit(1)
+
+
+def _warn_if_busy(console: Console) -> None:
+    """The broker and the load generator need a core each; say so when others compete."""
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load > cpus / 2:
+        console.print(
+            f"[yellow]warning: load average {load:.1f} on {cpus} CPU(s) before starting; "
+            "other work on this host will show up as noise in the numbers[/]"
+        )
+
+
+@main.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("inputs", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+def aggregate(out: Path, inputs: tuple[Path, ...]) -> None:
+    """Write the per-benchmark median of INPUTS (results files) to OUT."""
+    try:
+        result = aggregate_reports([load_report(p) for p in inputs])
+    except ResultsFileError as exc:
+        raise BadInput(str(exc)) from None
+    result.write(out)
+    console = Console()
+    console.print(results_table(result, f"median of {len(inputs)} run(s)"))
+    console.print(f"written to {out}")
+
+
+@main.command()
+@click.argument("base", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("new", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("threshold_pct", type=click.FloatRange(min=0.0))
+def compare(base: Path, new: Path, threshold_pct: float) -> None:
+    """Compare NEW results with BASE; exit 1 if a gated benchmark is worse by more
+    than THRESHOLD_PCT percent (msg/s lower, or ms/us/MiB higher)."""
+    try:
+        base_report, new_report = load_report(base), load_report(new)
+    except ResultsFileError as exc:
+        raise BadInput(str(exc)) from None
+    rows = compare_reports(base_report, new_report, threshold_pct)
+    console = Console()
+    console.print(compare_table(rows, threshold_pct))
+    print_failures(console, new_report.failures)
+    worse = regressions(rows)
+    if worse:
+        names = ", ".join(r.name for r in worse)
+        console.print(f"[bold red]{len(worse)} regression(s) past {threshold_pct:g}%:[/] {names}")
+        raise SystemExit(1)
+    console.print(f"[green]no regression past {threshold_pct:g}%[/]")

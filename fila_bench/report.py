@@ -1,0 +1,91 @@
+"""Rich tables for people; the JSON in `results.py` is for machines.
+
+Numbers are formatted by unit (throughput as whole messages, latencies with three
+decimals) so a column of results reads at a glance, and the arrow says which way is
+better without the reader having to know the benchmark.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console, JustifyMethod
+from rich.panel import Panel
+from rich.table import Table
+
+from fila_bench.compare import Row, Verdict
+from fila_bench.results import MSG_S, Failure, Report
+
+_VERDICT_STYLE = {
+    Verdict.OK: "green",
+    Verdict.IMPROVED: "bold green",
+    Verdict.REGRESSED: "bold red",
+    Verdict.INFO: "dim",
+    Verdict.NEW: "cyan",
+    Verdict.MISSING: "yellow",
+}
+
+
+def fmt_value(value: float | None, unit: str) -> str:
+    if value is None:
+        return "-"
+    if unit == MSG_S:
+        return f"{value:,.0f}"
+    if abs(value) >= 100:
+        return f"{value:,.1f}"
+    return f"{value:,.3f}"
+
+
+def _arrow(higher_is_better: bool) -> str:
+    return "↑" if higher_is_better else "↓"
+
+
+def results_table(report: Report, title: str) -> Table:
+    table = Table(title=title, title_justify="left")
+    table.add_column("benchmark")
+    table.add_column("value", justify="right")
+    table.add_column("unit")
+    table.add_column("better", justify="center")
+    table.add_column("gated", justify="center")
+    for r in report.results:
+        table.add_row(
+            r.name,
+            fmt_value(r.value, r.unit),
+            r.unit,
+            _arrow(r.higher_is_better),
+            "yes" if r.gated else "no",
+        )
+    return table
+
+
+def compare_table(rows: list[Row], threshold_pct: float) -> Table:
+    table = Table(title=f"fila-bench compare (threshold {threshold_pct:g}%)", title_justify="left")
+    columns: list[tuple[str, JustifyMethod]] = [
+        ("benchmark", "left"),
+        ("unit", "left"),
+        ("base", "right"),
+        ("new", "right"),
+        ("delta", "right"),
+        ("better", "center"),
+        ("verdict", "left"),
+    ]
+    for column, justify in columns:
+        table.add_column(column, justify=justify)
+    for row in rows:
+        delta = "-" if row.delta_pct is None else f"{row.delta_pct:+.1f}%"
+        style = _VERDICT_STYLE[row.verdict]
+        table.add_row(
+            row.name,
+            row.unit,
+            fmt_value(row.base, row.unit),
+            fmt_value(row.new, row.unit),
+            delta,
+            _arrow(row.higher_is_better),
+            f"[{style}]{row.verdict.value}[/]",
+        )
+    return table
+
+
+def print_failures(console: Console, failures: list[Failure]) -> None:
+    if not failures:
+        return
+    lines = "\n".join(f"[bold]{f.benchmark}[/]: {f.error}" for f in failures)
+    console.print(Panel(lines, title=f"{len(failures)} benchmark(s) FAILED", border_style="red"))

@@ -1,0 +1,88 @@
+"""Brokers under test: one fresh child process per benchmark, and what we read from it.
+
+A fresh process and data directory per benchmark keeps benchmarks independent: no
+backlog, tombstones, warmed caches or leaked consumers carry over from the previous
+one. Reading RSS from /proc and RocksDB's own LOG needs only the pid and the data
+directory, so the broker is measured without any hook inside it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import shutil
+import tempfile
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Literal
+
+from fila.server.process import ServerProcess
+
+# "sync" fsyncs before answering (the default); "buffer" skips the fsync.
+PersistMode = Literal["sync", "buffer"]
+
+
+@asynccontextmanager
+async def broker(
+    workdir: Path, name: str, persist_mode: PersistMode, config_toml: str | None = None
+) -> AsyncIterator[ServerProcess]:
+    """A started broker in its own directory under `workdir`, stopped (SIGTERM) on exit.
+
+    Start and stop block on subprocess and health polling, so they run in a thread
+    and the event loop (and the progress display) stays live. The data directory is
+    removed after the stop (the compaction burst alone writes hundreds of MiB); the
+    broker's log and config stay beside it.
+    """
+    root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
+    server = ServerProcess(root / "data", config_toml=config_toml, persist_mode=persist_mode)
+    await asyncio.to_thread(server.start)
+    try:
+        yield server
+    finally:
+        if server.running:
+            await asyncio.to_thread(server.stop)
+        await asyncio.to_thread(shutil.rmtree, server.data_dir, True)
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of `pid` in MiB, from /proc/<pid>/status (Linux only)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024  # the kernel's "kB" is KiB
+    raise OSError(f"no VmRSS line for pid {pid}")
+
+
+class RssPeak:
+    """Samples a process's RSS every `interval_s` while running, keeping the maximum."""
+
+    def __init__(self, pid: int, interval_s: float = 0.05) -> None:
+        self._pid = pid
+        self._interval_s = interval_s
+        self.peak_mib = 0.0
+
+    async def run(self) -> None:
+        while True:
+            self.peak_mib = max(self.peak_mib, rss_mib(self._pid))
+            await asyncio.sleep(self._interval_s)
+
+
+_EVENT = re.compile(r'"event": "(flush_started|compaction_started|compaction_finished)"')
+
+
+def rocksdb_events(server: ServerProcess) -> dict[str, int] | None:
+    """Counts of flush and compaction events in the broker's RocksDB LOG, or None.
+
+    The LOG sits in `<data_dir>/db` (where `fila.storage.store.open_db` puts the
+    database); if a future layout moves it, the compaction benchmark still runs and
+    just cannot prove a compaction happened.
+    """
+    log = server.data_dir / "db" / "LOG"
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return None
+    counts = {"flush_started": 0, "compaction_started": 0, "compaction_finished": 0}
+    for match in _EVENT.finditer(text):
+        counts[match.group(1)] += 1
+    return counts
