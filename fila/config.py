@@ -152,8 +152,10 @@ def parse_config(text: str, source: str) -> Config:
             raise ConfigError(f'{source}: unknown {kind} "{name}"')
         if not isinstance(value, dict):
             raise ConfigError(f'{source}: "{name}" must be a table ([{name}]), got {_toml(value)}')
-    built = {name: _section(hint, name, doc.get(name, {}), source)
-             for name, (hint, _) in sections.items()}
+    built = {
+        name: _section(hint, name, doc.get(name, {}), source)
+        for name, (hint, _) in sections.items()
+    }
     return Config(**built)
 
 
@@ -227,9 +229,7 @@ def _check(base: Any, markers: tuple[object, ...], key: str, value: Any, source:
         return
     accepted: tuple[type, ...] = (int, float) if base is float else (base,)
     if type(value) not in accepted:
-        raise ConfigError(
-            f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}, got {_toml(value)}'
-        )
+        raise ConfigError(f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}, got {_toml(value)}')
     for marker in markers:
         if isinstance(marker, AtLeast) and value < marker.minimum:
             raise ConfigError(f'{source}: "{key}" must be >= {marker.minimum}, got {value}')

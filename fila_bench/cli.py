@@ -2,8 +2,8 @@
 
 `aggregate` and `compare` are also plain click commands so they can be installed as
 the `bench-aggregate` and `bench-compare` scripts SPEC 8 names. Exit codes: 0 all
-good; 1 a benchmark failed its check (`system`) or regressed (`compare`); 2 bad
-input (unreadable results file, unknown benchmark name).
+good; 1 a benchmark failed its check (`system`), or a benchmark regressed or the new
+run had failures (`compare`); 2 bad input (unreadable results file, unknown name).
 """
 
 from __future__ import annotations
@@ -25,9 +25,18 @@ from fila_bench.report import compare_table, print_failures, results_table
 from fila_bench.results import ResultsFileError, load_report
 from fila_bench.runner import UnknownBenchmark, run_all, select
 
+_LOG_WIDTH = 120
+
 
 class BadInput(click.ClickException):
     exit_code = 2
+
+
+def _console() -> Console:
+    """Rich sizes tables to the terminal, and to 80 columns when there is none; CI logs
+    do not wrap, so give them room for a full row instead of truncated cells."""
+    console = Console()
+    return console if console.is_terminal else Console(width=_LOG_WIDTH)
 
 
 @click.group()
@@ -76,7 +85,7 @@ def system(
     list_only: bool,
 ) -> None:
     """Start real brokers and benchmark them through fila_sdk (SPEC 8)."""
-    console = Console()
+    console = _console()
     cases = all_cases()
     if list_only:
         for case in cases:
@@ -129,7 +138,7 @@ def aggregate(out: Path, inputs: tuple[Path, ...]) -> None:
     except ResultsFileError as exc:
         raise BadInput(str(exc)) from None
     result.write(out)
-    console = Console()
+    console = _console()
     console.print(results_table(result, f"median of {len(inputs)} run(s)"))
     console.print(f"written to {out}")
 
@@ -140,18 +149,22 @@ def aggregate(out: Path, inputs: tuple[Path, ...]) -> None:
 @click.argument("threshold_pct", type=click.FloatRange(min=0.0))
 def compare(base: Path, new: Path, threshold_pct: float) -> None:
     """Compare NEW results with BASE; exit 1 if a gated benchmark is worse by more
-    than THRESHOLD_PCT percent (msg/s lower, or ms/us/MiB higher)."""
+    than THRESHOLD_PCT percent (msg/s lower, or ms/us/MiB higher), or if NEW lists
+    failed benchmarks."""
     try:
         base_report, new_report = load_report(base), load_report(new)
     except ResultsFileError as exc:
         raise BadInput(str(exc)) from None
     rows = compare_reports(base_report, new_report, threshold_pct)
-    console = Console()
+    console = _console()
     console.print(compare_table(rows, threshold_pct))
     print_failures(console, new_report.failures)
     worse = regressions(rows)
     if worse:
         names = ", ".join(r.name for r in worse)
         console.print(f"[bold red]{len(worse)} regression(s) past {threshold_pct:g}%:[/] {names}")
+    else:
+        console.print(f"[green]no regression past {threshold_pct:g}%[/]")
+    # A benchmark that failed its check in the new run is worse than any regression.
+    if worse or new_report.failures:
         raise SystemExit(1)
-    console.print(f"[green]no regression past {threshold_pct:g}%[/]")

@@ -115,11 +115,14 @@ async def preload(
 @dataclass(frozen=True, slots=True)
 class DrainRun:
     elapsed_s: float  # from the first worker starting to the `limit`-th ack
-    deliveries: list[Message]  # in the order workers finished acking them
+    limit: int
+    # In the order workers finished acking them; may run past `limit` by the few that
+    # were acked before the workers were cancelled (kept for the duplicate check).
+    deliveries: list[Message]
 
     @property
     def rate(self) -> float:
-        return len(self.deliveries) / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return self.limit / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 async def consume_until(
@@ -152,7 +155,7 @@ async def consume_until(
     started = time.perf_counter()
     workers_done = [work(conns[i % len(conns)]) for i in range(workers)]
     await run_until(reached, workers_done, deadline_s, lambda: f"{len(deliveries)}/{limit} acked")
-    return DrainRun(finished_at - started, deliveries)
+    return DrainRun(finished_at - started, limit, deliveries)
 
 
 async def run_until(

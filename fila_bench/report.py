@@ -7,6 +7,8 @@ better without the reader having to know the benchmark.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from rich.console import Console, JustifyMethod
 from rich.panel import Panel
 from rich.table import Table
@@ -34,13 +36,19 @@ def fmt_value(value: float | None, unit: str) -> str:
     return f"{value:,.3f}"
 
 
+def _name_width(names: Iterable[str]) -> int:
+    """Names are what a reader searches for; narrow terminals (CI logs are 80 columns)
+    should squeeze the other columns rather than cut a name."""
+    return max((len(n) for n in names), default=10)
+
+
 def _arrow(higher_is_better: bool) -> str:
     return "↑" if higher_is_better else "↓"
 
 
 def results_table(report: Report, title: str) -> Table:
     table = Table(title=title, title_justify="left")
-    table.add_column("benchmark")
+    table.add_column("benchmark", min_width=_name_width(r.name for r in report.results))
     table.add_column("value", justify="right")
     table.add_column("unit")
     table.add_column("better", justify="center")
@@ -58,8 +66,8 @@ def results_table(report: Report, title: str) -> Table:
 
 def compare_table(rows: list[Row], threshold_pct: float) -> Table:
     table = Table(title=f"fila-bench compare (threshold {threshold_pct:g}%)", title_justify="left")
+    table.add_column("benchmark", min_width=_name_width(row.name for row in rows))
     columns: list[tuple[str, JustifyMethod]] = [
-        ("benchmark", "left"),
         ("unit", "left"),
         ("base", "right"),
         ("new", "right"),

@@ -106,6 +106,17 @@ def test_compare_missing_or_new_benchmarks_do_not_fail(tmp_path: Path) -> None:
     assert "missing" in result.output and "new" in result.output
 
 
+def test_compare_fails_when_the_new_run_had_failures(tmp_path: Path) -> None:
+    base_file = write(tmp_path / "base.json", *BASE)
+    new_file = write(tmp_path / "new.json", *BASE)
+    doc = json.loads(new_file.read_text())
+    doc["failures"] = [{"benchmark": "durable_8c", "error": "conservation check failed"}]
+    new_file.write_text(json.dumps(doc))
+    result = invoke("compare", str(base_file), str(new_file), "10")
+    assert result.exit_code == 1
+    assert "conservation check failed" in result.output
+
+
 def test_unreadable_input_exits_2(tmp_path: Path) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")

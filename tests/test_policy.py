@@ -9,7 +9,7 @@ import time
 import grpc
 from support import wait_until
 from support.stubs import Fila, connect, rpc_error
-from support.timing import TimedConsumer
+from support.timing import TimedConsumer, thread_sched
 
 from fila.server.process import ServerProcess
 from fila.v1 import admin_pb2, messages_pb2, service_pb2
@@ -78,6 +78,12 @@ def nack_timed(fila: Fila, queue: str, message_id: str, error: str = "") -> tupl
 
 
 def test_exponential_backoff_delays(server: ServerProcess) -> None:
+    """Each retry arrives no earlier than its delay and at most 100 ms after it.
+
+    On a shared host the broker may be runnable but waiting for a CPU; that time (read
+    from the event-loop thread's schedstat) is added to the 100 ms allowance, so the
+    bound measures the broker's timers, not the host's load.
+    """
     with connect(server.addr) as fila:
         fila.create_queue("backoff", on_failure=BACKOFF)
         message_id = fila.enqueue("backoff", b"work", {"h": "v"})
@@ -86,10 +92,12 @@ def test_exponential_backoff_delays(server: ServerProcess) -> None:
             assert message.id == message_id and message.metadata.attempt_count == 0
             for attempt in range(1, 6):
                 expected_ms = 100 * 2 ** (attempt - 1)  # 100, 200, 400, 800, 1600
+                cpu_wait_before = thread_sched(server.pid)[1]
                 sent, answered = nack_timed(fila, "backoff", message_id, f"fail {attempt}")
                 # while the retry is pending it is counted in depth, not in flight
                 assert depth(fila, "backoff") == (1, 0)
                 arrival, message = consumer.get(expected_ms / 1000 + 5)
+                cpu_wait_ms = (thread_sched(server.pid)[1] - cpu_wait_before) * 1000
                 assert message.id == message_id
                 assert message.metadata.attempt_count == attempt
                 assert message.payload == b"work" and dict(message.headers) == {"h": "v"}
@@ -101,9 +109,10 @@ def test_exponential_backoff_delays(server: ServerProcess) -> None:
                 )
                 # and not much later than asked
                 late_ms = (arrival - answered) * 1000 - expected_ms
-                assert late_ms <= 100, (
+                assert late_ms <= 100 + cpu_wait_ms, (
                     f"attempt {attempt}: redelivered {late_ms:.1f} ms after the {expected_ms} ms "
-                    "delay had passed (limit 100 ms)"
+                    f"delay had passed (limit 100 ms + {cpu_wait_ms:.1f} ms the broker waited "
+                    "for a CPU)"
                 )
             fila.ack("backoff", message_id)
         assert depth(fila, "backoff") == (0, 0)

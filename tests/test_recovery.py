@@ -61,6 +61,18 @@ def _code(call: Callable[..., object], *args: object) -> grpc.StatusCode:
     return rpc_error(call, *args).code()
 
 
+def _take_acking(fila: Fila, stream: ConsumeStream, count: int) -> list[messages_pb2.Message]:
+    """The next `count` deliveries, each acked as it arrives (a consumer holds only a
+    bounded number of unacked messages)."""
+    got = []
+    deadline = time.monotonic() + PROMPT_S
+    for _ in range(count):
+        message = stream.get(max(0.0, deadline - time.monotonic()))
+        fila.ack(stream.queue_name, message.id)
+        got.append(message)
+    return got
+
+
 # ---------------------------------------------------------------------------------------
 # 1. Graceful restart
 # ---------------------------------------------------------------------------------------
@@ -161,18 +173,15 @@ def test_graceful_restart_restores_queues_messages_config_and_drr(
         # as many deliveries as its weight.
         got: dict[str, list[str]] = defaultdict(list)
         with fila.consume("orders") as stream:
-            delivered = stream.take(len(ORDERS_PLAN) + 1, timeout=PROMPT_S)
-            for message in delivered:
-                assert message.metadata.attempt_count == 0
-                got[message.metadata.fairness_key].append(message.id)
-                fila.ack("orders", message.id)
+            delivered = _take_acking(fila, stream, len(ORDERS_PLAN) + 1)
+        for message in delivered:
+            assert message.metadata.attempt_count == 0
+            got[message.metadata.fairness_key].append(message.id)
         assert got == order
         first_round = Counter(m.metadata.fairness_key for m in delivered[:8])
         assert first_round == {"a": 2, "b": 2, "c": 3, "z": 1}
         with fila.consume("plain") as stream:
-            plain_got = [m.id for m in stream.take(3, timeout=PROMPT_S)]
-            for message_id in plain_got:
-                fila.ack("plain", message_id)
+            plain_got = [m.id for m in _take_acking(fila, stream, 3)]
         assert plain_got == plain_ids
 
         # The visibility timeout is the queue's 2000 ms, not the 30 s default.
@@ -216,9 +225,7 @@ def _dead_letter_in_reverse(fila: Fila, queue: str, labels: list[str]) -> dict[s
 
 def _drain_labels(fila: Fila, queue: str, count: int, labels: dict[str, str]) -> list[str]:
     with fila.consume(queue) as stream:
-        got = stream.take(count, timeout=PROMPT_S)
-        for message in got:
-            fila.ack(queue, message.id)
+        got = _take_acking(fila, stream, count)
     return [labels[m.id] for m in got]
 
 
@@ -234,8 +241,10 @@ def test_restart_keeps_the_order_of_dead_lettered_and_redriven_messages(
 
     Two identical histories per case: the `ctl-*` queue is consumed without a
     restart (its order is what the broker itself chose), the `rst-*` queue after a
-    graceful restart. A dead-letter queue fills in dead-letter order, not enqueue
-    order; redriven messages join the back of their queue.
+    graceful restart. Within a fairness key, ready messages are kept in id (enqueue)
+    order at runtime, which is the order recovery rebuilds from the key scan: a
+    dead-letter queue holds its messages in enqueue order whatever order they
+    failed in, and redriven messages take their original place, ahead of newer ones.
     """
     server = server_factory(persist_mode="sync")
     labels: dict[str, str] = {}
@@ -251,7 +260,7 @@ def test_restart_keeps_the_order_of_dead_lettered_and_redriven_messages(
             "dlq": _drain_labels(fila, "ctl-dlq.dlq", 3, labels),
             "redrive": _drain_labels(fila, "ctl-redrive", 3, labels),
         }
-    assert control["dlq"] == ["d2", "d1", "d0"], "precondition: DLQ fills in dead-letter order"
+    assert control == {"dlq": ["d0", "d1", "d2"], "redrive": ["r0", "r1", "n0"]}
 
     assert server.stop() == 0
     server.start()
@@ -350,9 +359,12 @@ def test_leases_and_their_deadlines_survive_kill_9(server_factory: ServerFactory
             mid_stream.cancel()
 
 
-SEND_AHEAD = 16  # [scheduler] consumer_buffer: deliveries queued per stream, not yet sent
+PREFETCH = 48  # [scheduler] consumer_buffer: unacked messages one stream may hold
 BIG_PAYLOAD = 1_000_000
-BIG_MESSAGES = 40
+BIG_MESSAGES = 60
+# A client that reads nothing cannot have been sent this many 1 MB messages: HTTP/2
+# flow control and socket buffers hold a few MB (about 6 here), not 32.
+SURELY_UNSENT_FROM = 32
 
 
 def test_kill_9_does_not_hold_deliveries_that_were_never_sent(
@@ -360,15 +372,14 @@ def test_kill_9_does_not_hold_deliveries_that_were_never_sent(
 ) -> None:
     """A message the broker queued for a stalled stream but never sent is not a lease.
 
-    The consumer reads one message and stops. With 1 MB payloads HTTP/2 flow control
-    soon blocks the stream, so the broker's send-ahead buffer for it stays full:
-    the last `SEND_AHEAD` messages it took for that stream are queued in the broker,
-    never sent. A graceful stop puts them back (ready, attempt 0); after kill -9 they
-    must not be held for the visibility timeout and then counted as a failed attempt,
-    as no consumer ever saw them.
+    The consumer reads one message and stops. With 1 MB payloads, HTTP/2 flow
+    control soon blocks the stream, while the broker keeps taking messages for it up
+    to its prefetch bound and queues them for sending. A graceful stop puts those
+    back (ready, attempt 0). After kill -9 they must not be held for the visibility
+    timeout and then counted as a failed attempt: no consumer ever saw them.
     """
     server = server_factory(
-        persist_mode="sync", config_toml=f"[scheduler]\nconsumer_buffer = {SEND_AHEAD}\n"
+        persist_mode="sync", config_toml=f"[scheduler]\nconsumer_buffer = {PREFETCH}\n"
     )
     with connect(server.addr) as fila:
         fila.create_queue("big", visibility_timeout_ms=LONG_VISIBILITY_MS)
@@ -376,35 +387,26 @@ def test_kill_9_does_not_hold_deliveries_that_were_never_sent(
         stalled = fila.consume("big", read_limit=1)
         try:
             assert stalled.get(PROMPT_S).id == ids[0]
-            seen: list[tuple[int, int]] = []
+            want = (BIG_MESSAGES - PREFETCH, PREFETCH)
 
-            def stream_blocked() -> bool:
+            def prefetch_full() -> bool:
                 stats = fila.stats("big")
-                seen.append((stats.depth, stats.in_flight))
-                # Blocked: the broker stopped taking messages for the stream while
-                # others are still ready, with more leased than it keeps queued.
-                return (
-                    len(seen) >= 2
-                    and seen[-1] == seen[-2]
-                    and stats.depth > 0
-                    and stats.in_flight > SEND_AHEAD + 1
-                )
+                return (stats.depth, stats.in_flight) == want
 
-            wait_until(stream_blocked, PROMPT_S, interval=0.1, what="stalled stream")
-            leased = seen[-1][1]
+            wait_until(prefetch_full, PROMPT_S, what=f"(depth, in_flight) == {want}")
             server.kill()
         finally:
             stalled.cancel()
     server.start()
 
-    # ids[leased - 1] was the last message taken for the stalled stream: it sat in the
-    # full send-ahead queue and never went out.
-    never_sent = ids[leased - SEND_AHEAD : leased]
+    # Leases went out in FIFO order, so ids[:PREFETCH] are leased; the client read
+    # ids[0], the transport took a few more, the rest never left the broker.
+    never_sent = ids[SURELY_UNSENT_FROM:PREFETCH]
     with connect(server.addr) as fila:
         with fila.consume("big") as stream:
             got: dict[str, int] = {}
-            deadline = time.monotonic() + PROMPT_S
-            while not set(never_sent) <= got.keys() and time.monotonic() < deadline:
+            deadline = time.monotonic() + PROMPT_S / 2
+            while not set(never_sent) <= got.keys():
                 try:
                     message = stream.get(max(0.0, deadline - time.monotonic()))
                 except TimeoutError:
@@ -413,8 +415,8 @@ def test_kill_9_does_not_hold_deliveries_that_were_never_sent(
                 fila.ack("big", message.id)
         held = [ids.index(i) for i in never_sent if i not in got]
         assert not held, (
-            f"after kill -9, {len(held)} messages that were only queued for a stalled "
-            f"stream (positions {held}) are held as leases for the {LONG_VISIBILITY_MS} ms "
+            f"after kill -9, {len(held)} messages that never left the broker (positions "
+            f"{held[0]}..{held[-1]}) are held as leases for the {LONG_VISIBILITY_MS} ms "
             f"visibility timeout; in_flight after restart {fila.stats('big').in_flight}"
         )
         assert all(got[i] == 0 for i in never_sent), "a never-sent message counted an attempt"
@@ -432,6 +434,7 @@ LOAD_QUEUE = "load"
 LOAD_VISIBILITY_MS = 1000
 LOAD_CHANNELS = 3
 LOAD_PRODUCERS = 12
+LOAD_CONSUMERS = 2
 DRAIN_CONSUMERS = 4
 DRAIN_DEADLINE_S = 45.0
 
@@ -441,8 +444,13 @@ def _payload_for(token: str) -> bytes:
 
 
 def _ack_during_load(message_id: str) -> bool:
-    """The load consumer acks about half of what it gets, the same half every time."""
-    return message_id[-1] in "02468ace"
+    """The load consumers ack 15/16 of what they get and let the rest expire.
+
+    Unacked messages hold one of the stream's bounded lease slots until their
+    visibility timeout, so this fraction keeps the consumers moving while leases are
+    always in flight and expiring.
+    """
+    return not message_id.endswith("0")
 
 
 @dataclass
@@ -564,10 +572,10 @@ class KillMoment:
 KILL_MOMENTS = {
     # Producers ramping up, the consumer has just started acking.
     "ramp-up": KillMoment("ramp-up", 0.0, 150, 1, 0),
-    # Steady state: enqueues and acks both flowing, no lease has expired yet.
+    # Steady state: enqueues and acks both flowing.
     "steady": KillMoment("steady", 0.8, 500, 100, 0),
     # Leases of unacked messages are expiring and being redelivered meanwhile.
-    "expiries": KillMoment("expiries", 1.6, 1000, 200, 20),
+    "expiries": KillMoment("expiries", 1.6, 1000, 200, 5),
 }
 
 
@@ -584,7 +592,10 @@ async def _load_then_kill(server: ServerProcess, moment: KillMoment) -> Ledger:
             ),
             timeout=RPC_S,
         )
-        consumer = asyncio.create_task(_consume_during_load(stubs[0], ledger))
+        consumers = [
+            asyncio.create_task(_consume_during_load(stub, ledger))
+            for stub in stubs[:LOAD_CONSUMERS]
+        ]
         producers = [
             asyncio.create_task(_produce(stubs[i % LOAD_CHANNELS], ledger, i))
             for i in range(LOAD_PRODUCERS)
@@ -609,7 +620,7 @@ async def _load_then_kill(server: ServerProcess, moment: KillMoment) -> Ledger:
         server.kill()  # SIGKILL while Enqueue and Ack calls are on the wire
         ledger.killed = True
         assert in_flight_at_kill > 0
-        await asyncio.wait_for(asyncio.gather(consumer, *producers), RPC_S)
+        await asyncio.wait_for(asyncio.gather(*consumers, *producers), RPC_S)
     finally:
         for ch in channels:
             await ch.close(None)

@@ -224,7 +224,7 @@ class Broker:
                     0,
                 )
             )
-        self._settle_after_commit(queue, refs, front=False)
+        self._settle_after_commit(queue, refs, fresh=True)
         self.counters.enqueued += len(refs)
         return ids, committer.flushed()
 
@@ -272,12 +272,20 @@ class Broker:
             if lease.active and not lease.sent:
                 self._return_unsent(queue, lease)
 
-    @staticmethod
-    def consumer_took(lease: Lease) -> bool:
-        """The stream is about to send `lease`; False if the lease ended while buffered."""
+    def consumer_took(self, lease: Lease) -> bool:
+        """The stream is about to send `lease`; False if the lease ended while buffered.
+
+        The lease is persisted here, not when the message was queued for the stream:
+        after a crash, a message that never left the broker must be ready at once and
+        not count an attempt. (A message sent just before its lease write reached the
+        log comes back once, with attempt_count 0: at-least-once.)
+        """
         if not lease.active:
             return False
         lease.sent = True
+        self.committer.put(
+            keys.lease_key(lease.ref.key), keys.encode_lease(lease.deadline_ms, lease.leased_at_ms)
+        )
         return True
 
     def _end_lease(self, queue: Queue, lease: Lease) -> None:
@@ -322,14 +330,26 @@ class Broker:
             else:
                 waiting.popleft()
                 consumer.waiting = False
-        if drr.has_parked and queue.throttle_wake_ms is None:
-            wait_s = min(
-                throttles.seconds_until_available(h.throttle_keys) for h in drr.parked_heads
-            )
-            queue.throttle_wake_ms = self.clock.now_ms() + max(1, int(wait_s * 1000) + 1)
-            self.timers.at(queue.throttle_wake_ms, self._throttle_wake, queue)
+        if drr.newly_parked:
+            self._schedule_throttle_wake(queue, drr.take_newly_parked_heads())
+
+    def _schedule_throttle_wake(self, queue: Queue, heads: list[MessageRef]) -> None:
+        """Wakes the queue when the first newly parked key can have its tokens.
+
+        Keys parked earlier already have a wake-up; a newly parked key can only
+        need an earlier one (a faster bucket, or a rate just raised)."""
+        if not heads:
+            return
+        wait_s = min(self.throttles.seconds_until_available(h.throttle_keys) for h in heads)
+        wake_ms = self.clock.now_ms() + max(1, int(wait_s * 1000) + 1)
+        if queue.throttle_wake_ms is None or wake_ms < queue.throttle_wake_ms:
+            queue.throttle_wake_ms = wake_ms
+            self.timers.at(wake_ms, self._throttle_wake, queue)
 
     def _throttle_wake(self, queue: Queue) -> None:
+        due = queue.throttle_wake_ms
+        if due is not None and self.clock.now_ms() < due:
+            return  # a stale wake-up: an earlier one was scheduled after it and has run
         queue.throttle_wake_ms = None
         if not queue.deleted and queue.drr.unpark_all():
             self._mark_dirty(queue)
@@ -341,9 +361,8 @@ class Broker:
             return
         now = self.clock.now_ms()
         deadline = now + queue.record.visibility_timeout_ms
-        lease = Lease(ref, record, deadline, consumer)
+        lease = Lease(ref, record, deadline, now, consumer)
         queue.leases[ref.id] = lease
-        self.committer.put(keys.lease_key(ref.key), keys.encode_lease(deadline, now))
         self.timers.at(deadline, self._expire, (queue, lease))
         consumer.offer(lease, delivery_frame(record, now))
         self.counters.delivered += 1
@@ -403,7 +422,7 @@ class Broker:
         if dlq is not None:
             message.metadata.queue_id = dlq.name
             committer.put(ref.key, message.SerializeToString())
-            self._settle_after_commit(dlq, [ref], front=False)
+            self._settle_after_commit(dlq, [ref], fresh=False)
             self.counters.dead_lettered += 1
         elif decision.delay_ms > 0:
             committer.put(ref.key, message.SerializeToString())
@@ -413,7 +432,7 @@ class Broker:
             committer.after_commit(lambda: self.timers.at(due, self._due, (queue, ref)))
         else:
             committer.put(ref.key, message.SerializeToString())
-            self._settle_after_commit(queue, [ref], front=True)
+            self._settle_after_commit(queue, [ref], fresh=False)
 
     def _due(self, subject: tuple[Queue, MessageRef]) -> None:
         queue, ref = subject
@@ -421,18 +440,17 @@ class Broker:
             return
         del queue.delayed[ref.id]
         self.committer.delete(keys.delay_key(ref.key))
-        queue.drr.push(ref, front=True)
+        queue.drr.push(ref, fresh=False)
         self._mark_dirty(queue)
 
     def _return_unsent(self, queue: Queue, lease: Lease) -> None:
         """A leased message never reached its consumer: back to ready, no attempt counted."""
         self._end_lease(queue, lease)
         queue.leases.pop(lease.ref.id, None)
-        self.committer.delete(keys.lease_key(lease.ref.key))
-        queue.drr.push(lease.ref, front=True)
+        queue.drr.push(lease.ref, fresh=False)
         self._mark_dirty(queue)
 
-    def _settle_after_commit(self, queue: Queue, refs: list[MessageRef], *, front: bool) -> None:
+    def _settle_after_commit(self, queue: Queue, refs: list[MessageRef], *, fresh: bool) -> None:
         queue.in_limbo += len(refs)
 
         def settle() -> None:
@@ -443,7 +461,7 @@ class Broker:
                 return
             push = queue.drr.push
             for ref in refs:
-                push(ref, front=front)
+                push(ref, fresh=fresh)
             self._mark_dirty(queue)
 
         self.committer.after_commit(settle)
@@ -479,7 +497,7 @@ class Broker:
             metadata.attempt_count = ref.attempt_count = 0
             metadata.queue_id = source.name
             self.committer.put(ref.key, message.SerializeToString())
-        self._settle_after_commit(source, refs, front=False)
+        self._settle_after_commit(source, refs, fresh=True)
         self.counters.redriven += len(refs)
         return len(refs), self.committer.flushed()
 

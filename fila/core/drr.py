@@ -16,12 +16,17 @@ messages of its weighted share over any window (the fairness requirement is
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
 
 from fila.core.records import MessageRef
 
 TokenCheck = Callable[[tuple[str, ...]], bool]
+
+
+def _sort_key(ref: MessageRef) -> bytes:
+    return ref.key
 
 
 class FairnessKey:
@@ -42,21 +47,33 @@ class Drr:
         self._ring: deque[FairnessKey] = deque()
         self._turn_open = False
         self._parked: list[FairnessKey] = []
+        # Keys parked since the owner last looked; only these can need an earlier wake-up.
+        self.newly_parked: list[FairnessKey] = []
         self.ready_count = 0
 
-    def push(self, ref: MessageRef, *, front: bool = False) -> None:
-        """Adds a ready message; `front` is for a message going back (nack, expiry)."""
+    def push(self, ref: MessageRef, *, fresh: bool) -> None:
+        """Adds a ready message in id order within its key.
+
+        Ids are UUIDv7, so id order is enqueue order: a retried, redriven or
+        dead-lettered message takes its original place (ahead of newer ones),
+        and recovery, which scans messages in id order, rebuilds the very same
+        order. `fresh` means `on_enqueue` just decided the message's weight, which
+        then becomes its key's weight.
+        """
         key = self.keys.get(ref.fairness_key)
         if key is None:
             key = FairnessKey(ref.fairness_key, ref.weight)
             self.keys[ref.fairness_key] = key
             self._ring.append(key)
-        elif not front:
+        elif fresh:
             key.weight = ref.weight
-        if front:
-            key.messages.appendleft(ref)
+        messages = key.messages
+        if not messages or messages[-1].key < ref.key:
+            messages.append(ref)
+        elif ref.key < messages[0].key:
+            messages.appendleft(ref)
         else:
-            key.messages.append(ref)
+            messages.insert(bisect.bisect_left(messages, ref.key, key=_sort_key), ref)
         self.ready_count += 1
 
     def pick(self, has_tokens: TokenCheck | None) -> MessageRef | None:
@@ -80,6 +97,7 @@ class Drr:
                 self._turn_open = False
                 key.parked = True
                 self._parked.append(key)
+                self.newly_parked.append(key)
                 continue
             key.messages.popleft()
             key.deficit -= 1
@@ -99,15 +117,14 @@ class Drr:
             key.parked = False
             self._ring.append(key)
         self._parked.clear()
+        self.newly_parked.clear()
         return True
 
-    @property
-    def parked_heads(self) -> Iterator[MessageRef]:
-        return (key.messages[0] for key in self._parked)
-
-    @property
-    def has_parked(self) -> bool:
-        return bool(self._parked)
+    def take_newly_parked_heads(self) -> list[MessageRef]:
+        """Head messages of keys parked since the last call (still parked and non-empty)."""
+        heads = [key.messages[0] for key in self.newly_parked if key.parked and key.messages]
+        self.newly_parked.clear()
+        return heads
 
     def take(self, limit: int) -> list[MessageRef]:
         """Takes up to `limit` ready messages out, oldest first within each key (redrive)."""
@@ -128,6 +145,7 @@ class Drr:
         self.keys.clear()
         self._ring.clear()
         self._parked.clear()
+        self.newly_parked.clear()
         self._turn_open = False
         self.ready_count = 0
         return refs

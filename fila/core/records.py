@@ -42,14 +42,20 @@ class Lease:
     or an unsent copy in a consumer's buffer knows to do nothing.
     """
 
-    __slots__ = ("active", "consumer", "deadline_ms", "record", "ref", "sent")
+    __slots__ = ("active", "consumer", "deadline_ms", "leased_at_ms", "record", "ref", "sent")
 
     def __init__(
-        self, ref: MessageRef, record: bytes, deadline_ms: int, consumer: Consumer | None
+        self,
+        ref: MessageRef,
+        record: bytes,
+        deadline_ms: int,
+        leased_at_ms: int,
+        consumer: Consumer | None,
     ) -> None:
         self.ref = ref
         self.record = record
         self.deadline_ms = deadline_ms
+        self.leased_at_ms = leased_at_ms
         self.consumer = consumer
         self.active = True
         self.sent = False

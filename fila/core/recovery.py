@@ -59,6 +59,8 @@ def recover(broker: Broker) -> RecoveryReport:
         due = dues.pop(key, None)
         if queue is None:
             committer.delete(key)
+            committer.delete(keys.lease_key(key))
+            committer.delete(keys.delay_key(key))
             report.orphans += 1
             continue
         ref = MessageRef(
@@ -70,9 +72,9 @@ def recover(broker: Broker) -> RecoveryReport:
             meta.attempt_count,
         )
         if lease is not None:
-            deadline_ms, _ = lease
+            deadline_ms, leased_at_ms = lease
             if deadline_ms > now:
-                restored = Lease(ref, record, deadline_ms, None)
+                restored = Lease(ref, record, deadline_ms, leased_at_ms, None)
                 restored.sent = True
                 queue.leases[ref.id] = restored
                 broker.schedule_expiry(queue, restored)
@@ -87,7 +89,7 @@ def recover(broker: Broker) -> RecoveryReport:
             broker.schedule_due(queue, ref, due)
             report.delayed += 1
             continue
-        queue.drr.push(ref)
+        queue.drr.push(ref, fresh=True)
         report.ready += 1
     if last_key:
         broker.ids.advance_past(last_key[1:])

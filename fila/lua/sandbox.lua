@@ -7,6 +7,7 @@
 local sethook = debug.sethook
 local clock = os.clock
 local raw_pcall, raw_xpcall, error, type, tostring = pcall, xpcall, error, type, tostring
+local rawget, rawlen = rawget, rawlen
 local pack, concat, math_type = table.pack, table.concat, math.type
 local collectgarbage_ = collectgarbage
 
@@ -27,24 +28,37 @@ local function rethrow_if_exhausted(...)
   return ...
 end
 pcall = function(f, ...) return rethrow_if_exhausted(raw_pcall(f, ...)) end
-xpcall = function(f, h, ...) return rethrow_if_exhausted(raw_xpcall(f, h, ...)) end
+-- The message handler runs before the stack unwinds, and for an error raised by
+-- the budget hook it would run with hooks off: it must not run at all then.
+xpcall = function(f, h, ...)
+  local function handler(e)
+    if exhausted then return e end
+    return h(e)
+  end
+  return rethrow_if_exhausted(raw_xpcall(f, handler, ...))
+end
 
 -- Some C library functions loop without executing Lua instructions, so the
 -- budget hook cannot interrupt them; bound their work up front instead.
 local s_find, s_match, s_gmatch, s_gsub, s_rep = string.find, string.match, string.gmatch, string.gsub, string.rep
-local t_move, raw_setmetatable, rawget = table.move, setmetatable, rawget
+local t_move, raw_setmetatable = table.move, setmetatable
 local MAX_PATTERN_WORK = 1e7
 
--- Backtracking costs about #subject ^ (quantifiers + 1) in the worst case.
-local function check_pattern(s, p)
+-- Backtracking costs about #subject ^ (quantifiers + 1) in the worst case, and
+-- even a plain search can compare every subject position with the whole pattern.
+local function check_pattern(s, p, plain)
   local subject, pattern = tostring(s), tostring(p)
-  local _, quantifiers = s_gsub(s_gsub(pattern, "%%.", ""), "[%*%+%-]", "")
-  if (#subject) ^ (quantifiers + 1) > MAX_PATTERN_WORK then
+  local work = #subject * #pattern
+  if not plain then
+    local _, quantifiers = s_gsub(s_gsub(pattern, "%%.", ""), "[%*%+%-%?]", "")
+    work = work + (#subject) ^ (quantifiers + 1)
+  end
+  if work > MAX_PATTERN_WORK then
     error("pattern too complex for a subject of " .. #subject .. " bytes", 3)
   end
 end
 string.find = function(s, p, init, plain)
-  if not plain then check_pattern(s, p) end
+  check_pattern(s, p, plain)
   return s_find(s, p, init, plain)
 end
 string.match = function(s, p, init) check_pattern(s, p); return s_match(s, p, init) end
@@ -86,12 +100,20 @@ local function run_chunk(budget_s, chunk)
   return guarded(budget_s, chunk)
 end
 
+-- What a hook returned is read after the budget hook is off, so only with raw
+-- access and type checks: a metamethod (__index, __len, __tostring, __eq) could
+-- otherwise run script code with no budget.
+local function describe_error(e)
+  if type(e) == "string" then return e end
+  return "error object of type " .. type(e)
+end
+
 -- on_enqueue result -> ok, fairness_key, weight, throttle keys joined by "\0"
 local function run_on_enqueue(budget_s, fn, headers, payload_size, queue)
   local ok, r = guarded(budget_s, fn, { headers = headers, payload_size = payload_size, queue = queue })
-  if not ok then return false, tostring(r) end
+  if not ok then return false, describe_error(r) end
   if type(r) ~= "table" then return false, "on_enqueue must return a table, got " .. type(r) end
-  local key, weight, throttle = r.fairness_key, r.weight, r.throttle_keys
+  local key, weight, throttle = rawget(r, "fairness_key"), rawget(r, "weight"), rawget(r, "throttle_keys")
   if key == nil then
     key = "default"
   elseif type(key) ~= "string" or #key == 0 or #key > 255 then
@@ -108,14 +130,17 @@ local function run_on_enqueue(budget_s, fn, headers, payload_size, queue)
   local joined = ""
   if throttle ~= nil then
     if type(throttle) ~= "table" then return false, "throttle_keys must be a list of strings" end
-    for i = 1, #throttle do
-      local k = throttle[i]
-      if type(k) ~= "string" or #k == 0 or k:find("\0", 1, true) then
-        return false, "throttle_keys must be a list of non-empty strings"
+    local count = rawlen(throttle)
+    if count > 64 then return false, "at most 64 throttle_keys" end
+    local plain_keys = {}
+    for i = 1, count do
+      local k = rawget(throttle, i)
+      if type(k) ~= "string" or #k == 0 or #k > 255 or s_find(k, "\0", 1, true) then
+        return false, "throttle_keys must be a list of non-empty strings of at most 255 bytes"
       end
+      plain_keys[i] = k
     end
-    if #throttle > 64 then return false, "at most 64 throttle_keys" end
-    joined = concat(throttle, "\0")
+    joined = concat(plain_keys, "\0")
   end
   return true, key, weight, joined
 end
@@ -123,9 +148,9 @@ end
 -- on_failure result -> ok, action ("retry" or "dlq"), delay_ms
 local function run_on_failure(budget_s, fn, id, headers, attempts, queue, err)
   local ok, r = guarded(budget_s, fn, { id = id, headers = headers, attempts = attempts, queue = queue, error = err })
-  if not ok then return false, tostring(r) end
+  if not ok then return false, describe_error(r) end
   if type(r) ~= "table" then return false, "on_failure must return a table, got " .. type(r) end
-  local action, delay = r.action, r.delay_ms
+  local action, delay = rawget(r, "action"), rawget(r, "delay_ms")
   if action ~= "retry" and action ~= "dlq" then
     return false, 'action must be "retry" or "dlq"'
   end

@@ -213,8 +213,7 @@ class ServerProcess:
                     last = f"status {reply.status}"
                 time.sleep(0.05)  # not ready yet: poll again shortly
         raise ServerStartError(
-            f"fila-server on {self.addr} not SERVING before the deadline ({last})\n"
-            f"{self._tail()}"
+            f"fila-server on {self.addr} not SERVING before the deadline ({last})\n{self._tail()}"
         )
 
     def _channel(self) -> grpc.Channel:

@@ -38,6 +38,7 @@ from fila.storage.keys import prefix_end
 
 log = logging.getLogger("fila.storage")
 
+
 class StorageError(Exception):
     """A write could not be made durable; the broker stops rather than diverge from disk."""
 
@@ -114,7 +115,7 @@ class Committer:
     def flush_now(self) -> None:
         """Writes and fsyncs everything pending, synchronously (recovery and shutdown)."""
         self._write_batch(start_sync=False)
-        if self._failed is None and self._unsynced:
+        if self._failed is None and self._sync:
             self._finish_sync(self._take_unsynced(), self._fsync())
 
     def close(self) -> None:
