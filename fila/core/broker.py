@@ -369,13 +369,18 @@ class Broker:
 
     # ------------------------------------------------------------- ack / nack
 
-    def ack(self, queue_name: str, message_id: str) -> asyncio.Future[None]:
+    def _settle(self, queue_name: str, message_id: str) -> tuple[Queue, Lease]:
+        """Ends the lease an ack or nack names; NOT_FOUND unless it is leased in that queue."""
         self._check_open()
         queue = self._queue(queue_name)
         lease = queue.leases.pop(message_id, None)
         if lease is None:
             raise MessageNotFound(queue_name, message_id)
         self._end_lease(queue, lease)
+        return queue, lease
+
+    def ack(self, queue_name: str, message_id: str) -> asyncio.Future[None]:
+        _, lease = self._settle(queue_name, message_id)
         key = lease.ref.key
         self.committer.delete(key)
         self.committer.delete(keys.lease_key(key))
@@ -383,12 +388,7 @@ class Broker:
         return self.committer.flushed()
 
     def nack(self, queue_name: str, message_id: str, error: str) -> asyncio.Future[None]:
-        self._check_open()
-        queue = self._queue(queue_name)
-        lease = queue.leases.pop(message_id, None)
-        if lease is None:
-            raise MessageNotFound(queue_name, message_id)
-        self._end_lease(queue, lease)
+        queue, lease = self._settle(queue_name, message_id)
         self.counters.nacked += 1
         self._fail(queue, lease, error, run_hook=True)
         return self.committer.flushed()
