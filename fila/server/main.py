@@ -128,6 +128,8 @@ async def serve(config: Config) -> int:
         bool(config.auth.bootstrap_apikey),
         __version__,
     )
+    if config.telemetry.otlp_endpoint or config.telemetry.prometheus_listen:
+        log.warning("telemetry export is not available in this release; [telemetry] is ignored")
     await stop.wait()
 
     log.info("shutting down")
