@@ -112,6 +112,14 @@ class Committer:
         self._after.append(callback)
         self._schedule()
 
+    def write_now(self) -> None:
+        """Appends the open batch to the WAL at once, instead of at the end of this turn.
+
+        For a write that must be in the log before something leaves the process (a
+        lease before its message goes out), without waiting for an fsync."""
+        if self._ops:
+            self._write_batch()
+
     def flush_now(self) -> None:
         """Writes and fsyncs everything pending, synchronously (recovery and shutdown)."""
         self._write_batch(start_sync=False)

@@ -19,13 +19,22 @@ def keys_script() -> str:
 
 def all_cases() -> list[Case]:
     # Imported here: the modules import keys_script from this package.
-    from fila_bench.benchmarks import durability, enqueue, latency, lua, resources, scheduling
+    from fila_bench.benchmarks import (
+        durability,
+        enqueue,
+        latency,
+        lua,
+        resources,
+        scheduling,
+        throttle,
+    )
 
     return [
         *enqueue.CASES,
         *latency.CASES,
         *scheduling.CASES,
         *lua.CASES,
+        *throttle.CASES,
         *resources.CASES,
         *durability.CASES,
     ]
