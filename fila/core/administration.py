@@ -125,7 +125,7 @@ class Administration(BrokerState):
             metadata.attempt_count = ref.attempt_count = 0
             metadata.queue_id = source.name
             self.committer.put(ref.key, message.SerializeToString())
-        self._settle_after_commit(source, refs, fresh=True)
+        self._ready_after_commit(source, refs, fresh=True)
         self.counters.redriven += len(refs)
         return len(refs), self.committer.flushed()
 

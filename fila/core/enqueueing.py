@@ -7,7 +7,6 @@ so a bad item refuses the whole batch and changes nothing.
 from __future__ import annotations
 
 import asyncio
-import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
@@ -18,8 +17,6 @@ from fila.core.state import BrokerState
 from fila.lua.hooks import DEFAULT_ENQUEUE
 from fila.storage import keys
 from fila.v1 import messages_pb2
-
-log = logging.getLogger("fila.broker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +74,7 @@ class Enqueueing(BrokerState):
                     0,
                 )
             )
-        self._settle_after_commit(queue, refs, fresh=True)
+        self._ready_after_commit(queue, refs, fresh=True)
         self.counters.enqueued += len(refs)
         return ids, committer.flushed()
 

@@ -6,7 +6,6 @@ as the queue's `on_failure` hook decides.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 from fila.core.errors import MessageNotFound
 from fila.core.queue import Queue
@@ -16,13 +15,11 @@ from fila.lua.hooks import DEFAULT_FAILURE
 from fila.storage import keys
 from fila.v1 import messages_pb2
 
-log = logging.getLogger("fila.broker")
-
 
 class Settlement(BrokerState):
     """Ack, nack, lease expiry and delayed retries."""
 
-    def _settle(self, queue_name: str, message_id: str) -> tuple[Queue, Lease]:
+    def _end_named_lease(self, queue_name: str, message_id: str) -> tuple[Queue, Lease]:
         """Ends the lease an ack or nack names; NOT_FOUND unless it is leased in that queue."""
         self._check_open()
         queue = self._queue(queue_name)
@@ -33,7 +30,7 @@ class Settlement(BrokerState):
         return queue, lease
 
     def ack(self, queue_name: str, message_id: str) -> asyncio.Future[None]:
-        _, lease = self._settle(queue_name, message_id)
+        _, lease = self._end_named_lease(queue_name, message_id)
         key = lease.ref.key
         self.committer.delete(key)
         self.committer.delete(keys.lease_key(key))
@@ -41,7 +38,7 @@ class Settlement(BrokerState):
         return self.committer.flushed()
 
     def nack(self, queue_name: str, message_id: str, error: str) -> asyncio.Future[None]:
-        queue, lease = self._settle(queue_name, message_id)
+        queue, lease = self._end_named_lease(queue_name, message_id)
         self.counters.nacked += 1
         self._fail(queue, lease, error, run_hook=True)
         return self.committer.flushed()
@@ -74,18 +71,17 @@ class Settlement(BrokerState):
         dlq = self.queues.get(dlq_name) if dlq_name and decision.action == "dlq" else None
         if dlq is not None:
             message.metadata.queue_id = dlq.name
-            committer.put(ref.key, message.SerializeToString())
-            self._settle_after_commit(dlq, [ref], fresh=False)
+        committer.put(ref.key, message.SerializeToString())
+        if dlq is not None:
+            self._ready_after_commit(dlq, [ref], fresh=False)
             self.counters.dead_lettered += 1
         elif decision.delay_ms > 0:
-            committer.put(ref.key, message.SerializeToString())
             due = self.clock.now_ms() + decision.delay_ms
             committer.put(keys.delay_key(ref.key), keys.encode_due(due))
             queue.delayed[ref.id] = ref
             committer.after_commit(lambda: self.timers.at(due, self._due, (queue, ref)))
         else:
-            committer.put(ref.key, message.SerializeToString())
-            self._settle_after_commit(queue, [ref], fresh=False)
+            self._ready_after_commit(queue, [ref], fresh=False)
 
     def _due(self, subject: tuple[Queue, MessageRef]) -> None:
         queue, ref = subject

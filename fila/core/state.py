@@ -9,7 +9,6 @@ them mutate the same state, on the event loop only.
 from __future__ import annotations
 
 import asyncio
-import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
@@ -30,8 +29,6 @@ from fila.core.throttle import Throttles
 from fila.core.timers import Timers
 from fila.lua.hooks import LuaLimits
 from fila.storage.store import Committer
-
-log = logging.getLogger("fila.broker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,7 +120,10 @@ class BrokerState(ABC):
         queue.drr.push(lease.ref, fresh=False)
         self._mark_dirty(queue)
 
-    def _settle_after_commit(self, queue: Queue, refs: list[MessageRef], *, fresh: bool) -> None:
+    def _ready_after_commit(self, queue: Queue, refs: list[MessageRef], *, fresh: bool) -> None:
+        """Makes `refs` deliverable once the write that produced their records is
+        committed: the rule that keeps a consumer from seeing a message the broker
+        could still lose. Until then they count in the queue's depth."""
         queue.in_limbo += len(refs)
 
         def settle() -> None:
