@@ -57,6 +57,7 @@ class ServerSection:
     max_headers: Positive = 64
     max_header_bytes: Positive = 64 * 1024
     shutdown_grace_ms: Positive = 5000
+    max_queue_depth: Annotated[int, AtLeast(0)] = 0
 
 
 @dataclass(frozen=True, slots=True)

@@ -387,3 +387,27 @@ def test_limits_are_inclusive(server_factory: ServerFactory) -> None:
         assert len(got[0].payload) == MAX_PAYLOAD
         f.delete_queue(name)
         assert f.queue_names() == ["edge", "edge.dlq"]
+
+
+def test_full_queue_sheds_load_with_resource_exhausted(server_factory: ServerFactory) -> None:
+    """`server.max_queue_depth` bounds a queue's ready + delayed messages; past it an
+    enqueue is refused with RESOURCE_EXHAUSTED and stores nothing. Leased messages do
+    not count, so once consumers take messages there is room again."""
+    srv = server_factory(config_toml="[server]\nmax_queue_depth = 3\n")
+    with connect(srv.addr) as f:
+        f.create_queue("bounded")
+        kept = [f.enqueue("bounded", f"m{i}".encode()) for i in range(3)]
+        err = rpc_error(
+            f.svc.Enqueue, service_pb2.EnqueueRequest(queue="bounded", payload=b"one too many")
+        )
+        code, details, kind = status_of(err)
+        assert (code, kind) == (grpc.StatusCode.RESOURCE_EXHAUSTED, "resource_exhausted")
+        assert '"bounded"' in details and "3" in details
+        assert f.stats("bounded").depth == 3
+        with f.consume("bounded") as stream:
+            got = [m.id for m in stream.take(3)]
+            assert got == kept
+            wait_until(lambda: f.stats("bounded").depth == 0, 5.0, what="all three leased")
+            kept.append(f.enqueue("bounded", b"room again"))
+            got += [m.id for m in stream.take(1)]
+        assert got == kept

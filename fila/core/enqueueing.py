@@ -10,7 +10,7 @@ import asyncio
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from fila.core.errors import InvalidArgument
+from fila.core.errors import InvalidArgument, ResourceExhausted
 from fila.core.frames import timestamp
 from fila.core.records import MessageRef
 from fila.core.state import BrokerState
@@ -36,6 +36,11 @@ class Enqueueing(BrokerState):
         queue = self._queue(queue_name)
         for item in items:
             self._check_limits(item)
+        limit = self.settings.max_queue_depth
+        if limit and queue.depth + len(items) > limit:
+            raise ResourceExhausted(
+                f'queue "{queue.name}" is full: {queue.depth} messages, the limit is {limit}'
+            )
         hooks = queue.hooks
         now_ms = self.clock.now_ms()
         enqueued_at = timestamp(now_ms)

@@ -38,6 +38,7 @@ class BrokerSettings:
     max_message_bytes: int
     max_headers: int
     max_header_bytes: int
+    max_queue_depth: int
     lua: LuaLimits
 
     @classmethod
@@ -48,6 +49,7 @@ class BrokerSettings:
             max_message_bytes=config.server.max_message_bytes,
             max_headers=config.server.max_headers,
             max_header_bytes=config.server.max_header_bytes,
+            max_queue_depth=config.server.max_queue_depth,
             lua=LuaLimits(
                 timeout_ms=config.lua.default_timeout_ms,
                 memory_limit_bytes=config.lua.default_memory_limit_bytes,
