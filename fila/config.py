@@ -70,6 +70,7 @@ class StorageSection:
 class SchedulerSection:
     quantum: Positive = 1
     consumer_buffer: Positive = 16
+    keepalive_ms: Positive = 15000
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,11 +16,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from support import ServerProcess, wait_until
+from support import ServerFactory, ServerProcess, wait_until
 from support.stubs import ConsumeStream, Fila, connect
 
 from fila.config import Config
-from fila.core.broker import CONSUMER_KEEPALIVE_S
 from fila.v1 import messages_pb2, service_pb2
 
 # Messages the broker may push ahead to one stream before its client reads them
@@ -241,13 +240,19 @@ def test_active_consumers_back_to_zero_after_disconnect(
         assert message_id
 
 
-def test_idle_stream_gets_keepalive_frames_and_still_delivers(server: ServerProcess) -> None:
+KEEPALIVE_MS = 300
+
+
+def test_idle_stream_gets_keepalive_frames_and_still_delivers(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory(config_toml=f"[scheduler]\nkeepalive_ms = {KEEPALIVE_MS}\n")
     with connect(server.addr) as f:
         f.create_queue("idle")
         with f.consume("idle") as stream:
             wait_until(
-                lambda: stream.keepalives >= 1,
-                CONSUMER_KEEPALIVE_S + 10.0,
+                lambda: stream.keepalives >= 2,
+                KEEPALIVE_MS / 1000 * 2 + 10.0,
                 interval=0.1,
                 what="a keepalive frame on an idle stream",
             )

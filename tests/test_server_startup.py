@@ -18,9 +18,9 @@ from fila.server.process import ServerProcess
 STARTUP_LIMIT_S = 15.0
 
 
-def _run_server(tmp_path: Path, *args: str, env: dict[str, str] | None = None) -> tuple[
-    subprocess.CompletedProcess[str], float
-]:
+def _run_server(
+    tmp_path: Path, *args: str, env: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], float]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("FILA_")}
     clean["FILA_DATA_DIR"] = str(tmp_path / "data")
     clean.update(env or {})

@@ -20,7 +20,7 @@ could forget, and delivery can always read the record back from RocksDB.
 from __future__ import annotations
 
 from fila.core.administration import Administration
-from fila.core.delivery import CONSUMER_KEEPALIVE_S, Delivery
+from fila.core.delivery import Delivery
 from fila.core.enqueueing import Enqueueing, EnqueueItem
 from fila.core.errors import Unavailable
 from fila.core.queue import Queue
@@ -28,7 +28,7 @@ from fila.core.records import Lease, MessageRef
 from fila.core.settlement import Settlement
 from fila.core.state import BrokerSettings
 
-__all__ = ["CONSUMER_KEEPALIVE_S", "Broker", "BrokerSettings", "EnqueueItem"]
+__all__ = ["Broker", "BrokerSettings", "EnqueueItem"]
 
 
 class Broker(Administration, Enqueueing, Delivery, Settlement):

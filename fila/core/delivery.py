@@ -22,9 +22,6 @@ from fila.storage import keys
 log = logging.getLogger("fila.broker")
 
 
-CONSUMER_KEEPALIVE_S = 15.0
-
-
 class Delivery(BrokerState):
     """Attaching consumers and leasing messages to them."""
 

@@ -35,6 +35,7 @@ from fila.storage.store import Committer
 class BrokerSettings:
     quantum: int
     consumer_buffer: int
+    keepalive_s: float
     max_message_bytes: int
     max_headers: int
     max_header_bytes: int
@@ -46,6 +47,7 @@ class BrokerSettings:
         return cls(
             quantum=config.scheduler.quantum,
             consumer_buffer=config.scheduler.consumer_buffer,
+            keepalive_s=config.scheduler.keepalive_ms / 1000,
             max_message_bytes=config.server.max_message_bytes,
             max_headers=config.server.max_headers,
             max_header_bytes=config.server.max_header_bytes,

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from fila.core.broker import CONSUMER_KEEPALIVE_S, Broker, EnqueueItem
+from fila.core.broker import Broker, EnqueueItem
 from fila.core.errors import BrokerError
 from fila.core.frames import KEEPALIVE_FRAME
 from fila.server.status import abort, unary_errors
@@ -37,6 +37,7 @@ class FilaService:
 
     async def consume(self, request: service_pb2.ConsumeRequest, context: Context) -> None:
         broker = self._broker
+        keepalive_s = broker.settings.keepalive_s
         try:
             consumer = broker.attach_consumer(request.queue)
         except BrokerError as exc:
@@ -45,7 +46,7 @@ class FilaService:
             while True:
                 item = consumer.take()
                 if item is None:
-                    if not await consumer.wait(CONSUMER_KEEPALIVE_S):
+                    if not await consumer.wait(keepalive_s):
                         await context.write(KEEPALIVE_FRAME)
                     continue
                 lease, frame = item
