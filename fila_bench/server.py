@@ -15,12 +15,9 @@ import tempfile
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Literal
 
+from fila.config import PersistMode
 from fila.server.process import ServerProcess
-
-# "sync" fsyncs before answering (the default); "buffer" skips the fsync.
-PersistMode = Literal["sync", "buffer"]
 
 
 @asynccontextmanager

@@ -11,11 +11,12 @@ for an fsync; group commit is what should make throughput grow with N. Messages 
 
 from __future__ import annotations
 
+from fila.config import PersistMode
 from fila_bench.case import Case, Context
 from fila_bench.conn import close_all, open_connections
 from fila_bench.load import check_empty, check_exactly_once, consume_until, enqueue_for
 from fila_bench.results import Result, throughput
-from fila_bench.server import PersistMode, broker
+from fila_bench.server import broker
 from fila_sdk import AsyncClient
 
 CONNECTIONS = (1, 8, 50)

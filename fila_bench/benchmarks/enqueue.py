@@ -9,11 +9,12 @@ connections (ten producers multiplexed on each, see `fila_bench.conn`).
 
 from __future__ import annotations
 
+from fila.config import PersistMode
 from fila_bench.case import Case, Context
 from fila_bench.conn import Connection, close_all, open_connections
 from fila_bench.load import enqueue_for
 from fila_bench.results import Result, throughput
-from fila_bench.server import PersistMode, broker
+from fila_bench.server import broker
 from fila_sdk import AsyncClient
 
 QUEUE = "bench"
