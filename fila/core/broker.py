@@ -46,7 +46,6 @@ class Broker(Administration, Enqueueing, Delivery, Settlement):
         self._closing = True
         for queue in list(self.queues.values()):
             for consumer in list(queue.consumers.values()):
-                self.detach_consumer(consumer)
-                consumer.close(Unavailable("broker is shutting down"))
+                self.detach_consumer(consumer, Unavailable("broker is shutting down"))
         self.committer.flush_now()
         self.timers.close()

@@ -35,10 +35,11 @@ class Delivery(BrokerState):
         self._mark_dirty(queue)
         return consumer
 
-    def detach_consumer(self, consumer: Consumer) -> None:
-        """The stream ended: messages it never sent go straight back; sent ones stay leased."""
+    def detach_consumer(self, consumer: Consumer, reason: Unavailable | None = None) -> None:
+        """The stream ended (or must end, for `reason`): messages it never sent go
+        straight back; sent ones stay leased."""
         queue = self.queues.get(consumer.queue_name)
-        unsent = consumer.close(Unavailable("consumer closed"))
+        unsent = consumer.close(reason or Unavailable("consumer closed"))
         if queue is None or queue.consumers.pop(consumer.id, None) is None:
             return
         if consumer.waiting:
