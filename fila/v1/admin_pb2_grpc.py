@@ -99,6 +99,16 @@ class FilaAdminStub:
                 request_serializer=fila_dot_v1_dot_admin__pb2.GetAclRequest.SerializeToString,
                 response_deserializer=fila_dot_v1_dot_admin__pb2.GetAclResponse.FromString,
                 _registered_method=True)
+        self.PeekMessages = channel.unary_unary(
+                '/fila.v1.FilaAdmin/PeekMessages',
+                request_serializer=fila_dot_v1_dot_admin__pb2.PeekMessagesRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_admin__pb2.PeekMessagesResponse.FromString,
+                _registered_method=True)
+        self.PurgeQueue = channel.unary_unary(
+                '/fila.v1.FilaAdmin/PurgeQueue',
+                request_serializer=fila_dot_v1_dot_admin__pb2.PurgeQueueRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_admin__pb2.PurgeQueueResponse.FromString,
+                _registered_method=True)
 
 
 class FilaAdminServicer:
@@ -182,6 +192,19 @@ class FilaAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PeekMessages(self, request, context):
+        """Job-queue additions: browse without leasing, and empty a queue.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PurgeQueue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FilaAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -249,6 +272,16 @@ def add_FilaAdminServicer_to_server(servicer, server):
                     servicer.GetAcl,
                     request_deserializer=fila_dot_v1_dot_admin__pb2.GetAclRequest.FromString,
                     response_serializer=fila_dot_v1_dot_admin__pb2.GetAclResponse.SerializeToString,
+            ),
+            'PeekMessages': grpc.unary_unary_rpc_method_handler(
+                    servicer.PeekMessages,
+                    request_deserializer=fila_dot_v1_dot_admin__pb2.PeekMessagesRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_admin__pb2.PeekMessagesResponse.SerializeToString,
+            ),
+            'PurgeQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.PurgeQueue,
+                    request_deserializer=fila_dot_v1_dot_admin__pb2.PurgeQueueRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_admin__pb2.PurgeQueueResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -602,6 +635,60 @@ class FilaAdmin:
             '/fila.v1.FilaAdmin/GetAcl',
             fila_dot_v1_dot_admin__pb2.GetAclRequest.SerializeToString,
             fila_dot_v1_dot_admin__pb2.GetAclResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PeekMessages(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaAdmin/PeekMessages',
+            fila_dot_v1_dot_admin__pb2.PeekMessagesRequest.SerializeToString,
+            fila_dot_v1_dot_admin__pb2.PeekMessagesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PurgeQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaAdmin/PurgeQueue',
+            fila_dot_v1_dot_admin__pb2.PurgeQueueRequest.SerializeToString,
+            fila_dot_v1_dot_admin__pb2.PurgeQueueResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,10 +22,11 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 from fila.v1 import messages_pb2 as fila_dot_v1_dot_messages__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66ila/v1/service.proto\x12\x07\x66ila.v1\x1a\x16\x66ila/v1/messages.proto\"\x97\x01\n\x0e\x45nqueueRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x35\n\x07headers\x18\x02 \x03(\x0b\x32$.fila.v1.EnqueueRequest.HeadersEntry\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"%\n\x0f\x45nqueueResponse\x12\x12\n\nmessage_id\x18\x01 \x01(\t\"\x1f\n\x0e\x43onsumeRequest\x12\r\n\x05queue\x18\x01 \x01(\t\"4\n\x0f\x43onsumeResponse\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.fila.v1.Message\"/\n\nAckRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\"\r\n\x0b\x41\x63kResponse\"?\n\x0bNackRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x0e\n\x0cNackResponse2\xf2\x01\n\x0b\x46ilaService\x12<\n\x07\x45nqueue\x12\x17.fila.v1.EnqueueRequest\x1a\x18.fila.v1.EnqueueResponse\x12>\n\x07\x43onsume\x12\x17.fila.v1.ConsumeRequest\x1a\x18.fila.v1.ConsumeResponse0\x01\x12\x30\n\x03\x41\x63k\x12\x13.fila.v1.AckRequest\x1a\x14.fila.v1.AckResponse\x12\x33\n\x04Nack\x12\x14.fila.v1.NackRequest\x1a\x15.fila.v1.NackResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15\x66ila/v1/service.proto\x12\x07\x66ila.v1\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x16\x66ila/v1/messages.proto\"\xa9\x01\n\x0e\x45nqueueRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x35\n\x07headers\x18\x02 \x03(\x0b\x32$.fila.v1.EnqueueRequest.HeadersEntry\x12\x0f\n\x07payload\x18\x03 \x01(\x0c\x12\x10\n\x08\x64\x65lay_ms\x18\x04 \x01(\x04\x1a.\n\x0cHeadersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"%\n\x0f\x45nqueueResponse\x12\x12\n\nmessage_id\x18\x01 \x01(\t\"D\n\x0e\x43onsumeRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x10\n\x08prefetch\x18\x03 \x01(\r\"X\n\x0f\x43onsumeResponse\x12!\n\x07message\x18\x01 \x01(\x0b\x32\x10.fila.v1.Message\x12\"\n\x08messages\x18\x02 \x03(\x0b\x32\x10.fila.v1.Message\"/\n\nAckRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\"\r\n\x0b\x41\x63kResponse\"?\n\x0bNackRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12\r\n\x05\x65rror\x18\x03 \x01(\t\"\x0e\n\x0cNackResponse\"9\n\nBatchError\x12\x0c\n\x04\x63ode\x18\x01 \x01(\r\x12\x0c\n\x04kind\x18\x02 \x01(\t\x12\x0f\n\x07message\x18\x03 \x01(\t\"U\n\rEnqueueResult\x12\x14\n\nmessage_id\x18\x01 \x01(\tH\x00\x12$\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x13.fila.v1.BatchErrorH\x00\x42\x08\n\x06result\"@\n\x13\x45nqueueBatchRequest\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.fila.v1.EnqueueRequest\"?\n\x14\x45nqueueBatchResponse\x12\'\n\x07results\x18\x01 \x03(\x0b\x32\x16.fila.v1.EnqueueResult\"4\n\x0f\x41\x63kBatchRequest\x12!\n\x04\x61\x63ks\x18\x01 \x03(\x0b\x32\x13.fila.v1.AckRequest\"8\n\x10\x41\x63kBatchResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.fila.v1.BatchError\"7\n\x10NackBatchRequest\x12#\n\x05nacks\x18\x01 \x03(\x0b\x32\x14.fila.v1.NackRequest\"9\n\x11NackBatchResponse\x12$\n\x07results\x18\x01 \x03(\x0b\x32\x13.fila.v1.BatchError\"Z\n\x14StreamEnqueueRequest\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12)\n\x08messages\x18\x02 \x03(\x0b\x32\x17.fila.v1.EnqueueRequest\"Y\n\x15StreamEnqueueResponse\x12\x17\n\x0fsequence_number\x18\x01 \x01(\x04\x12\'\n\x07results\x18\x02 \x03(\x0b\x32\x16.fila.v1.EnqueueResult\"\x80\x01\n\x14StreamConsumeRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x11\n\tmax_batch\x18\x02 \x01(\r\x12\x10\n\x08prefetch\x18\x03 \x01(\r\x12\x0f\n\x07\x61\x63k_ids\x18\x04 \x03(\t\x12#\n\x05nacks\x18\x05 \x03(\x0b\x32\x14.fila.v1.NackRequest\"J\n\x12\x45xtendLeaseRequest\x12\r\n\x05queue\x18\x01 \x01(\t\x12\x12\n\nmessage_id\x18\x02 \x01(\t\x12\x11\n\textend_ms\x18\x03 \x01(\x04\"C\n\x13\x45xtendLeaseResponse\x12,\n\x08\x64\x65\x61\x64line\x18\x01 \x01(\x0b\x32\x1a.google.protobuf.Timestamp2\xb0\x05\n\x0b\x46ilaService\x12<\n\x07\x45nqueue\x12\x17.fila.v1.EnqueueRequest\x1a\x18.fila.v1.EnqueueResponse\x12>\n\x07\x43onsume\x12\x17.fila.v1.ConsumeRequest\x1a\x18.fila.v1.ConsumeResponse0\x01\x12\x30\n\x03\x41\x63k\x12\x13.fila.v1.AckRequest\x1a\x14.fila.v1.AckResponse\x12\x33\n\x04Nack\x12\x14.fila.v1.NackRequest\x1a\x15.fila.v1.NackResponse\x12K\n\x0c\x45nqueueBatch\x12\x1c.fila.v1.EnqueueBatchRequest\x1a\x1d.fila.v1.EnqueueBatchResponse\x12?\n\x08\x41\x63kBatch\x12\x18.fila.v1.AckBatchRequest\x1a\x19.fila.v1.AckBatchResponse\x12\x42\n\tNackBatch\x12\x19.fila.v1.NackBatchRequest\x1a\x1a.fila.v1.NackBatchResponse\x12R\n\rStreamEnqueue\x12\x1d.fila.v1.StreamEnqueueRequest\x1a\x1e.fila.v1.StreamEnqueueResponse(\x01\x30\x01\x12L\n\rStreamConsume\x12\x1d.fila.v1.StreamConsumeRequest\x1a\x18.fila.v1.ConsumeResponse(\x01\x30\x01\x12H\n\x0b\x45xtendLease\x12\x1b.fila.v1.ExtendLeaseRequest\x1a\x1c.fila.v1.ExtendLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,24 +35,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_ENQUEUEREQUEST_HEADERSENTRY']._loaded_options = None
   _globals['_ENQUEUEREQUEST_HEADERSENTRY']._serialized_options = b'8\001'
-  _globals['_ENQUEUEREQUEST']._serialized_start=59
-  _globals['_ENQUEUEREQUEST']._serialized_end=210
-  _globals['_ENQUEUEREQUEST_HEADERSENTRY']._serialized_start=164
-  _globals['_ENQUEUEREQUEST_HEADERSENTRY']._serialized_end=210
-  _globals['_ENQUEUERESPONSE']._serialized_start=212
-  _globals['_ENQUEUERESPONSE']._serialized_end=249
-  _globals['_CONSUMEREQUEST']._serialized_start=251
-  _globals['_CONSUMEREQUEST']._serialized_end=282
-  _globals['_CONSUMERESPONSE']._serialized_start=284
-  _globals['_CONSUMERESPONSE']._serialized_end=336
-  _globals['_ACKREQUEST']._serialized_start=338
-  _globals['_ACKREQUEST']._serialized_end=385
-  _globals['_ACKRESPONSE']._serialized_start=387
-  _globals['_ACKRESPONSE']._serialized_end=400
-  _globals['_NACKREQUEST']._serialized_start=402
-  _globals['_NACKREQUEST']._serialized_end=465
-  _globals['_NACKRESPONSE']._serialized_start=467
-  _globals['_NACKRESPONSE']._serialized_end=481
-  _globals['_FILASERVICE']._serialized_start=484
-  _globals['_FILASERVICE']._serialized_end=726
+  _globals['_ENQUEUEREQUEST']._serialized_start=92
+  _globals['_ENQUEUEREQUEST']._serialized_end=261
+  _globals['_ENQUEUEREQUEST_HEADERSENTRY']._serialized_start=215
+  _globals['_ENQUEUEREQUEST_HEADERSENTRY']._serialized_end=261
+  _globals['_ENQUEUERESPONSE']._serialized_start=263
+  _globals['_ENQUEUERESPONSE']._serialized_end=300
+  _globals['_CONSUMEREQUEST']._serialized_start=302
+  _globals['_CONSUMEREQUEST']._serialized_end=370
+  _globals['_CONSUMERESPONSE']._serialized_start=372
+  _globals['_CONSUMERESPONSE']._serialized_end=460
+  _globals['_ACKREQUEST']._serialized_start=462
+  _globals['_ACKREQUEST']._serialized_end=509
+  _globals['_ACKRESPONSE']._serialized_start=511
+  _globals['_ACKRESPONSE']._serialized_end=524
+  _globals['_NACKREQUEST']._serialized_start=526
+  _globals['_NACKREQUEST']._serialized_end=589
+  _globals['_NACKRESPONSE']._serialized_start=591
+  _globals['_NACKRESPONSE']._serialized_end=605
+  _globals['_BATCHERROR']._serialized_start=607
+  _globals['_BATCHERROR']._serialized_end=664
+  _globals['_ENQUEUERESULT']._serialized_start=666
+  _globals['_ENQUEUERESULT']._serialized_end=751
+  _globals['_ENQUEUEBATCHREQUEST']._serialized_start=753
+  _globals['_ENQUEUEBATCHREQUEST']._serialized_end=817
+  _globals['_ENQUEUEBATCHRESPONSE']._serialized_start=819
+  _globals['_ENQUEUEBATCHRESPONSE']._serialized_end=882
+  _globals['_ACKBATCHREQUEST']._serialized_start=884
+  _globals['_ACKBATCHREQUEST']._serialized_end=936
+  _globals['_ACKBATCHRESPONSE']._serialized_start=938
+  _globals['_ACKBATCHRESPONSE']._serialized_end=994
+  _globals['_NACKBATCHREQUEST']._serialized_start=996
+  _globals['_NACKBATCHREQUEST']._serialized_end=1051
+  _globals['_NACKBATCHRESPONSE']._serialized_start=1053
+  _globals['_NACKBATCHRESPONSE']._serialized_end=1110
+  _globals['_STREAMENQUEUEREQUEST']._serialized_start=1112
+  _globals['_STREAMENQUEUEREQUEST']._serialized_end=1202
+  _globals['_STREAMENQUEUERESPONSE']._serialized_start=1204
+  _globals['_STREAMENQUEUERESPONSE']._serialized_end=1293
+  _globals['_STREAMCONSUMEREQUEST']._serialized_start=1296
+  _globals['_STREAMCONSUMEREQUEST']._serialized_end=1424
+  _globals['_EXTENDLEASEREQUEST']._serialized_start=1426
+  _globals['_EXTENDLEASEREQUEST']._serialized_end=1500
+  _globals['_EXTENDLEASERESPONSE']._serialized_start=1502
+  _globals['_EXTENDLEASERESPONSE']._serialized_end=1569
+  _globals['_FILASERVICE']._serialized_start=1572
+  _globals['_FILASERVICE']._serialized_end=2260
 # @@protoc_insertion_point(module_scope)

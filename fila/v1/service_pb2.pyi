@@ -7,6 +7,7 @@ from collections import abc as _abc
 from fila.v1 import messages_pb2 as _messages_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
 import builtins as _builtins
 import sys
@@ -46,8 +47,11 @@ class EnqueueRequest(_message.Message):
     QUEUE_FIELD_NUMBER: _builtins.int
     HEADERS_FIELD_NUMBER: _builtins.int
     PAYLOAD_FIELD_NUMBER: _builtins.int
+    DELAY_MS_FIELD_NUMBER: _builtins.int
     queue: _builtins.str
     payload: _builtins.bytes
+    delay_ms: _builtins.int
+    """The message becomes ready this long after the enqueue (a scheduled job)."""
     @_builtins.property
     def headers(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
     def __init__(
@@ -56,10 +60,11 @@ class EnqueueRequest(_message.Message):
         queue: _builtins.str = ...,
         headers: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         payload: _builtins.bytes = ...,
+        delay_ms: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["headers", b"headers", "payload", b"payload", "queue", b"queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["delay_ms", b"delay_ms", "headers", b"headers", "payload", b"payload", "queue", b"queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -89,15 +94,23 @@ class ConsumeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     QUEUE_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
+    PREFETCH_FIELD_NUMBER: _builtins.int
     queue: _builtins.str
+    max_batch: _builtins.int
+    """> 1: deliveries arrive in `messages`, up to this many per frame, never in `message`."""
+    prefetch: _builtins.int
+    """> 0: this stream's bound on unacknowledged messages (capped by scheduler.max_prefetch)."""
     def __init__(
         self,
         *,
         queue: _builtins.str = ...,
+        max_batch: _builtins.int = ...,
+        prefetch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_batch", b"max_batch", "prefetch", b"prefetch", "queue", b"queue"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -105,21 +118,25 @@ Global___ConsumeRequest: _TypeAlias = ConsumeRequest  # noqa: Y015
 
 @_typing.final
 class ConsumeResponse(_message.Message):
-    """A response without `message` is a keepalive; clients skip it."""
+    """A response with neither `message` nor `messages` is a keepalive; clients skip it."""
 
     DESCRIPTOR: _descriptor.Descriptor
 
     MESSAGE_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
     @_builtins.property
     def message(self) -> _messages_pb2.Message: ...
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[_messages_pb2.Message]: ...
     def __init__(
         self,
         *,
         message: _messages_pb2.Message | None = ...,
+        messages: _abc.Iterable[_messages_pb2.Message] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["message", b"message", "messages", b"messages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -201,3 +218,306 @@ class NackResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___NackResponse: _TypeAlias = NackResponse  # noqa: Y015
+
+@_typing.final
+class BatchError(_message.Message):
+    """One item's failure inside a batch: `code` is the gRPC status code number (0 = ok),
+    `kind` the x-fila-error-kind value, `message` what the single RPC would have said.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CODE_FIELD_NUMBER: _builtins.int
+    KIND_FIELD_NUMBER: _builtins.int
+    MESSAGE_FIELD_NUMBER: _builtins.int
+    code: _builtins.int
+    kind: _builtins.str
+    message: _builtins.str
+    def __init__(
+        self,
+        *,
+        code: _builtins.int = ...,
+        kind: _builtins.str = ...,
+        message: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["code", b"code", "kind", b"kind", "message", b"message"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___BatchError: _TypeAlias = BatchError  # noqa: Y015
+
+@_typing.final
+class EnqueueResult(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
+    message_id: _builtins.str
+    @_builtins.property
+    def error(self) -> Global___BatchError: ...
+    def __init__(
+        self,
+        *,
+        message_id: _builtins.str = ...,
+        error: Global___BatchError | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "message_id", b"message_id", "result", b"result"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["error", b"error", "message_id", b"message_id", "result", b"result"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_result: _TypeAlias = _typing.Literal["message_id", "error"]  # noqa: Y015
+    _WhichOneofArgType_result: _TypeAlias = _typing.Literal["result", b"result"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_result) -> _WhichOneofReturnType_result | None: ...
+
+Global___EnqueueResult: _TypeAlias = EnqueueResult  # noqa: Y015
+
+@_typing.final
+class EnqueueBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___EnqueueRequest]: ...
+    def __init__(
+        self,
+        *,
+        messages: _abc.Iterable[Global___EnqueueRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnqueueBatchRequest: _TypeAlias = EnqueueBatchRequest  # noqa: Y015
+
+@_typing.final
+class EnqueueBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___EnqueueResult]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___EnqueueResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EnqueueBatchResponse: _TypeAlias = EnqueueBatchResponse  # noqa: Y015
+
+@_typing.final
+class AckBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ACKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def acks(self) -> _containers.RepeatedCompositeFieldContainer[Global___AckRequest]: ...
+    def __init__(
+        self,
+        *,
+        acks: _abc.Iterable[Global___AckRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acks", b"acks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckBatchRequest: _TypeAlias = AckBatchRequest  # noqa: Y015
+
+@_typing.final
+class AckBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchError]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___BatchError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AckBatchResponse: _TypeAlias = AckBatchResponse  # noqa: Y015
+
+@_typing.final
+class NackBatchRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NACKS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def nacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___NackRequest]: ...
+    def __init__(
+        self,
+        *,
+        nacks: _abc.Iterable[Global___NackRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["nacks", b"nacks"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NackBatchRequest: _TypeAlias = NackBatchRequest  # noqa: Y015
+
+@_typing.final
+class NackBatchResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    RESULTS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___BatchError]: ...
+    def __init__(
+        self,
+        *,
+        results: _abc.Iterable[Global___BatchError] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___NackBatchResponse: _TypeAlias = NackBatchResponse  # noqa: Y015
+
+@_typing.final
+class StreamEnqueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_NUMBER_FIELD_NUMBER: _builtins.int
+    MESSAGES_FIELD_NUMBER: _builtins.int
+    sequence_number: _builtins.int
+    @_builtins.property
+    def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___EnqueueRequest]: ...
+    def __init__(
+        self,
+        *,
+        sequence_number: _builtins.int = ...,
+        messages: _abc.Iterable[Global___EnqueueRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "sequence_number", b"sequence_number"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamEnqueueRequest: _TypeAlias = StreamEnqueueRequest  # noqa: Y015
+
+@_typing.final
+class StreamEnqueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    SEQUENCE_NUMBER_FIELD_NUMBER: _builtins.int
+    RESULTS_FIELD_NUMBER: _builtins.int
+    sequence_number: _builtins.int
+    @_builtins.property
+    def results(self) -> _containers.RepeatedCompositeFieldContainer[Global___EnqueueResult]: ...
+    def __init__(
+        self,
+        *,
+        sequence_number: _builtins.int = ...,
+        results: _abc.Iterable[Global___EnqueueResult] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["results", b"results", "sequence_number", b"sequence_number"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamEnqueueResponse: _TypeAlias = StreamEnqueueResponse  # noqa: Y015
+
+@_typing.final
+class StreamConsumeRequest(_message.Message):
+    """The first request names the queue (and optionally max_batch, prefetch); any request
+    may settle messages delivered on this stream. A nack's `queue` is ignored.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    MAX_BATCH_FIELD_NUMBER: _builtins.int
+    PREFETCH_FIELD_NUMBER: _builtins.int
+    ACK_IDS_FIELD_NUMBER: _builtins.int
+    NACKS_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    max_batch: _builtins.int
+    prefetch: _builtins.int
+    @_builtins.property
+    def ack_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def nacks(self) -> _containers.RepeatedCompositeFieldContainer[Global___NackRequest]: ...
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+        max_batch: _builtins.int = ...,
+        prefetch: _builtins.int = ...,
+        ack_ids: _abc.Iterable[_builtins.str] | None = ...,
+        nacks: _abc.Iterable[Global___NackRequest] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_ids", b"ack_ids", "max_batch", b"max_batch", "nacks", b"nacks", "prefetch", b"prefetch", "queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___StreamConsumeRequest: _TypeAlias = StreamConsumeRequest  # noqa: Y015
+
+@_typing.final
+class ExtendLeaseRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    MESSAGE_ID_FIELD_NUMBER: _builtins.int
+    EXTEND_MS_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    message_id: _builtins.str
+    extend_ms: _builtins.int
+    """0 = the queue's visibility timeout."""
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+        message_id: _builtins.str = ...,
+        extend_ms: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["extend_ms", b"extend_ms", "message_id", b"message_id", "queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendLeaseRequest: _TypeAlias = ExtendLeaseRequest  # noqa: Y015
+
+@_typing.final
+class ExtendLeaseResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    DEADLINE_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def deadline(self) -> _timestamp_pb2.Timestamp: ...
+    def __init__(
+        self,
+        *,
+        deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ExtendLeaseResponse: _TypeAlias = ExtendLeaseResponse  # noqa: Y015

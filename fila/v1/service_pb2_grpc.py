@@ -54,6 +54,36 @@ class FilaServiceStub:
                 request_serializer=fila_dot_v1_dot_service__pb2.NackRequest.SerializeToString,
                 response_deserializer=fila_dot_v1_dot_service__pb2.NackResponse.FromString,
                 _registered_method=True)
+        self.EnqueueBatch = channel.unary_unary(
+                '/fila.v1.FilaService/EnqueueBatch',
+                request_serializer=fila_dot_v1_dot_service__pb2.EnqueueBatchRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_service__pb2.EnqueueBatchResponse.FromString,
+                _registered_method=True)
+        self.AckBatch = channel.unary_unary(
+                '/fila.v1.FilaService/AckBatch',
+                request_serializer=fila_dot_v1_dot_service__pb2.AckBatchRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_service__pb2.AckBatchResponse.FromString,
+                _registered_method=True)
+        self.NackBatch = channel.unary_unary(
+                '/fila.v1.FilaService/NackBatch',
+                request_serializer=fila_dot_v1_dot_service__pb2.NackBatchRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_service__pb2.NackBatchResponse.FromString,
+                _registered_method=True)
+        self.StreamEnqueue = channel.stream_stream(
+                '/fila.v1.FilaService/StreamEnqueue',
+                request_serializer=fila_dot_v1_dot_service__pb2.StreamEnqueueRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_service__pb2.StreamEnqueueResponse.FromString,
+                _registered_method=True)
+        self.StreamConsume = channel.stream_stream(
+                '/fila.v1.FilaService/StreamConsume',
+                request_serializer=fila_dot_v1_dot_service__pb2.StreamConsumeRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_service__pb2.ConsumeResponse.FromString,
+                _registered_method=True)
+        self.ExtendLease = channel.unary_unary(
+                '/fila.v1.FilaService/ExtendLease',
+                request_serializer=fila_dot_v1_dot_service__pb2.ExtendLeaseRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_service__pb2.ExtendLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class FilaServiceServicer:
@@ -83,6 +113,44 @@ class FilaServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def EnqueueBatch(self, request, context):
+        """Batch paths: this broker's extension; the published clients never call them.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AckBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def NackBatch(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamEnqueue(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamConsume(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ExtendLease(self, request, context):
+        """Job-queue additions.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FilaServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -105,6 +173,36 @@ def add_FilaServiceServicer_to_server(servicer, server):
                     servicer.Nack,
                     request_deserializer=fila_dot_v1_dot_service__pb2.NackRequest.FromString,
                     response_serializer=fila_dot_v1_dot_service__pb2.NackResponse.SerializeToString,
+            ),
+            'EnqueueBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.EnqueueBatch,
+                    request_deserializer=fila_dot_v1_dot_service__pb2.EnqueueBatchRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_service__pb2.EnqueueBatchResponse.SerializeToString,
+            ),
+            'AckBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.AckBatch,
+                    request_deserializer=fila_dot_v1_dot_service__pb2.AckBatchRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_service__pb2.AckBatchResponse.SerializeToString,
+            ),
+            'NackBatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.NackBatch,
+                    request_deserializer=fila_dot_v1_dot_service__pb2.NackBatchRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_service__pb2.NackBatchResponse.SerializeToString,
+            ),
+            'StreamEnqueue': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamEnqueue,
+                    request_deserializer=fila_dot_v1_dot_service__pb2.StreamEnqueueRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_service__pb2.StreamEnqueueResponse.SerializeToString,
+            ),
+            'StreamConsume': grpc.stream_stream_rpc_method_handler(
+                    servicer.StreamConsume,
+                    request_deserializer=fila_dot_v1_dot_service__pb2.StreamConsumeRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_service__pb2.ConsumeResponse.SerializeToString,
+            ),
+            'ExtendLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.ExtendLease,
+                    request_deserializer=fila_dot_v1_dot_service__pb2.ExtendLeaseRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_service__pb2.ExtendLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -215,6 +313,168 @@ class FilaService:
             '/fila.v1.FilaService/Nack',
             fila_dot_v1_dot_service__pb2.NackRequest.SerializeToString,
             fila_dot_v1_dot_service__pb2.NackResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EnqueueBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaService/EnqueueBatch',
+            fila_dot_v1_dot_service__pb2.EnqueueBatchRequest.SerializeToString,
+            fila_dot_v1_dot_service__pb2.EnqueueBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AckBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaService/AckBatch',
+            fila_dot_v1_dot_service__pb2.AckBatchRequest.SerializeToString,
+            fila_dot_v1_dot_service__pb2.AckBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def NackBatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaService/NackBatch',
+            fila_dot_v1_dot_service__pb2.NackBatchRequest.SerializeToString,
+            fila_dot_v1_dot_service__pb2.NackBatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamEnqueue(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fila.v1.FilaService/StreamEnqueue',
+            fila_dot_v1_dot_service__pb2.StreamEnqueueRequest.SerializeToString,
+            fila_dot_v1_dot_service__pb2.StreamEnqueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamConsume(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/fila.v1.FilaService/StreamConsume',
+            fila_dot_v1_dot_service__pb2.StreamConsumeRequest.SerializeToString,
+            fila_dot_v1_dot_service__pb2.ConsumeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ExtendLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaService/ExtendLease',
+            fila_dot_v1_dot_service__pb2.ExtendLeaseRequest.SerializeToString,
+            fila_dot_v1_dot_service__pb2.ExtendLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

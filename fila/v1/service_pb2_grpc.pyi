@@ -35,6 +35,14 @@ class FilaServiceStub:
     Consume: _grpc.UnaryStreamMultiCallable[_service_pb2.ConsumeRequest, _service_pb2.ConsumeResponse]
     Ack: _grpc.UnaryUnaryMultiCallable[_service_pb2.AckRequest, _service_pb2.AckResponse]
     Nack: _grpc.UnaryUnaryMultiCallable[_service_pb2.NackRequest, _service_pb2.NackResponse]
+    EnqueueBatch: _grpc.UnaryUnaryMultiCallable[_service_pb2.EnqueueBatchRequest, _service_pb2.EnqueueBatchResponse]
+    """Batch paths: this broker's extension; the published clients never call them."""
+    AckBatch: _grpc.UnaryUnaryMultiCallable[_service_pb2.AckBatchRequest, _service_pb2.AckBatchResponse]
+    NackBatch: _grpc.UnaryUnaryMultiCallable[_service_pb2.NackBatchRequest, _service_pb2.NackBatchResponse]
+    StreamEnqueue: _grpc.StreamStreamMultiCallable[_service_pb2.StreamEnqueueRequest, _service_pb2.StreamEnqueueResponse]
+    StreamConsume: _grpc.StreamStreamMultiCallable[_service_pb2.StreamConsumeRequest, _service_pb2.ConsumeResponse]
+    ExtendLease: _grpc.UnaryUnaryMultiCallable[_service_pb2.ExtendLeaseRequest, _service_pb2.ExtendLeaseResponse]
+    """Job-queue additions."""
 
 @_typing.type_check_only
 class FilaServiceAsyncStub(FilaServiceStub):
@@ -43,6 +51,14 @@ class FilaServiceAsyncStub(FilaServiceStub):
     Consume: _aio.UnaryStreamMultiCallable[_service_pb2.ConsumeRequest, _service_pb2.ConsumeResponse]  # type: ignore[assignment]
     Ack: _aio.UnaryUnaryMultiCallable[_service_pb2.AckRequest, _service_pb2.AckResponse]  # type: ignore[assignment]
     Nack: _aio.UnaryUnaryMultiCallable[_service_pb2.NackRequest, _service_pb2.NackResponse]  # type: ignore[assignment]
+    EnqueueBatch: _aio.UnaryUnaryMultiCallable[_service_pb2.EnqueueBatchRequest, _service_pb2.EnqueueBatchResponse]  # type: ignore[assignment]
+    """Batch paths: this broker's extension; the published clients never call them."""
+    AckBatch: _aio.UnaryUnaryMultiCallable[_service_pb2.AckBatchRequest, _service_pb2.AckBatchResponse]  # type: ignore[assignment]
+    NackBatch: _aio.UnaryUnaryMultiCallable[_service_pb2.NackBatchRequest, _service_pb2.NackBatchResponse]  # type: ignore[assignment]
+    StreamEnqueue: _aio.StreamStreamMultiCallable[_service_pb2.StreamEnqueueRequest, _service_pb2.StreamEnqueueResponse]  # type: ignore[assignment]
+    StreamConsume: _aio.StreamStreamMultiCallable[_service_pb2.StreamConsumeRequest, _service_pb2.ConsumeResponse]  # type: ignore[assignment]
+    ExtendLease: _aio.UnaryUnaryMultiCallable[_service_pb2.ExtendLeaseRequest, _service_pb2.ExtendLeaseResponse]  # type: ignore[assignment]
+    """Job-queue additions."""
 
 class FilaServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -72,5 +88,49 @@ class FilaServiceServicer(metaclass=_abc_1.ABCMeta):
         request: _service_pb2.NackRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_service_pb2.NackResponse, _abc.Awaitable[_service_pb2.NackResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def EnqueueBatch(
+        self,
+        request: _service_pb2.EnqueueBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.EnqueueBatchResponse, _abc.Awaitable[_service_pb2.EnqueueBatchResponse]]:
+        """Batch paths: this broker's extension; the published clients never call them."""
+
+    @_abc_1.abstractmethod
+    def AckBatch(
+        self,
+        request: _service_pb2.AckBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.AckBatchResponse, _abc.Awaitable[_service_pb2.AckBatchResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def NackBatch(
+        self,
+        request: _service_pb2.NackBatchRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.NackBatchResponse, _abc.Awaitable[_service_pb2.NackBatchResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def StreamEnqueue(
+        self,
+        request_iterator: _MaybeAsyncIterator[_service_pb2.StreamEnqueueRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_service_pb2.StreamEnqueueResponse], _abc.AsyncIterator[_service_pb2.StreamEnqueueResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def StreamConsume(
+        self,
+        request_iterator: _MaybeAsyncIterator[_service_pb2.StreamConsumeRequest],
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_service_pb2.ConsumeResponse], _abc.AsyncIterator[_service_pb2.ConsumeResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ExtendLease(
+        self,
+        request: _service_pb2.ExtendLeaseRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_service_pb2.ExtendLeaseResponse, _abc.Awaitable[_service_pb2.ExtendLeaseResponse]]:
+        """Job-queue additions."""
 
 def add_FilaServiceServicer_to_server(servicer: FilaServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
