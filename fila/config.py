@@ -51,13 +51,31 @@ Positive = Annotated[int, AtLeast(1)]
 
 
 @dataclass(frozen=True, slots=True)
+class AtMost:
+    """Constraint marker: a numeric field must be <= `maximum`."""
+
+    maximum: int
+
+
+MiB = 1024 * 1024
+# Room in a request for everything but payload and headers (queue name, framing).
+REQUEST_OVERHEAD_BYTES = 64 * 1024
+
+
+@dataclass(frozen=True, slots=True)
 class ServerSection:
     listen_addr: str = "127.0.0.1:5555"
-    max_message_bytes: Positive = 4 * 1024 * 1024
-    max_headers: Positive = 64
-    max_header_bytes: Positive = 64 * 1024
+    max_message_bytes: Annotated[int, AtLeast(1), AtMost(256 * MiB)] = 4 * MiB
+    max_headers: Annotated[int, AtLeast(1), AtMost(100_000)] = 64
+    max_header_bytes: Annotated[int, AtLeast(1), AtMost(16 * MiB)] = 64 * 1024
+    max_request_bytes: Annotated[int, AtLeast(1), AtMost(1024 * MiB)] = 16 * MiB
+    max_batch_messages: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 10_000
     shutdown_grace_ms: Positive = 5000
     max_queue_depth: Annotated[int, AtLeast(0)] = 0
+    max_queues: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 10_000
+    max_connections: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 1024
+    idle_connection_timeout_ms: Annotated[int, AtLeast(1000)] = 300_000
+    handshake_timeout_ms: Annotated[int, AtLeast(100)] = 5_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +88,9 @@ class StorageSection:
 class SchedulerSection:
     quantum: Positive = 1
     consumer_buffer: Positive = 16
+    max_prefetch: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 10_000
+    stream_buffer_bytes: Annotated[int, AtLeast(1024)] = 8 * MiB
+    total_buffer_bytes: Annotated[int, AtLeast(1024)] = 256 * MiB
     keepalive_ms: Positive = 15000
 
 
@@ -158,7 +179,16 @@ def parse_config(text: str, source: str) -> Config:
         name: _section(hint, name, doc.get(name, {}), source)
         for name, (hint, _) in sections.items()
     }
-    return Config(**built)
+    config = Config(**built)
+    server = config.server
+    needed = server.max_message_bytes + server.max_header_bytes + REQUEST_OVERHEAD_BYTES
+    if server.max_request_bytes < needed:
+        raise ConfigError(
+            f'{source}: "server.max_request_bytes" ({server.max_request_bytes}) must be at least '
+            f"max_message_bytes + max_header_bytes + {REQUEST_OVERHEAD_BYTES} ({needed}), "
+            "so that every message the broker accepts fits in one request"
+        )
+    return config
 
 
 def load_config(cli_path: str | None, env: Mapping[str, str]) -> tuple[Config, Path | None]:
@@ -235,6 +265,8 @@ def _check(base: Any, markers: tuple[object, ...], key: str, value: Any, source:
     for marker in markers:
         if isinstance(marker, AtLeast) and value < marker.minimum:
             raise ConfigError(f'{source}: "{key}" must be >= {marker.minimum}, got {value}')
+        if isinstance(marker, AtMost) and value > marker.maximum:
+            raise ConfigError(f'{source}: "{key}" must be <= {marker.maximum}, got {value}')
 
 
 def _toml(value: object) -> str:

@@ -379,7 +379,9 @@ def test_kill_9_does_not_hold_deliveries_that_were_never_sent(
     timeout and then counted as a failed attempt: no consumer ever saw them.
     """
     server = server_factory(
-        persist_mode="sync", config_toml=f"[scheduler]\nconsumer_buffer = {PREFETCH}\n"
+        persist_mode="sync",
+        # stream_buffer_bytes above PREFETCH messages: here only prefetch bounds the stream
+        config_toml=f"[scheduler]\nconsumer_buffer = {PREFETCH}\nstream_buffer_bytes = 100000000\n",
     )
     with connect(server.addr) as fila:
         fila.create_queue("big", visibility_timeout_ms=LONG_VISIBILITY_MS)

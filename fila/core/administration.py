@@ -1,39 +1,75 @@
-"""Administration: queues, stats, runtime config (and the throttles it drives), redrive."""
+"""Administration: queues, stats, runtime config (and the throttles it drives),
+redrive, peek and purge; and the restore calls recovery uses to rebuild state.
+
+Answers are bounded so that a default client (4 MiB receive limit) can always
+read them: stats list at most `MAX_LISTED_KEYS` keys (the largest backlogs),
+config listings and peeks stop at `MAX_ANSWER_BYTES`; `total_count`,
+`active_fairness_keys` and `next_after_id` tell the caller there is more.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
 import logging
+from bisect import bisect_right
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 from fila.core.errors import (
     ConfigKeyNotFound,
     InvalidArgument,
     QueueAlreadyExists,
     QueueNotFound,
+    ResourceExhausted,
+    clip,
 )
-from fila.core.queue import DLQ_SUFFIX, Queue, QueueRecord, validate_queue_name
+from fila.core.ids import parse_id
+from fila.core.queue import (
+    DEFAULT_VISIBILITY_TIMEOUT_MS,
+    DLQ_SUFFIX,
+    MAX_VISIBILITY_TIMEOUT_MS,
+    Queue,
+    QueueRecord,
+    validate_queue_name,
+)
+from fila.core.records import MessageRef
 from fila.core.runtime_config import ThrottleChange, validate_entry
-from fila.core.state import BrokerState
 from fila.core.stats import KeyStats, QueueStats
-from fila.lua.hooks import DEFAULT_ENQUEUE, QueueHooks
+from fila.core.throttle import ThrottleStats
+from fila.lua.hooks import QueueHooks
 from fila.lua.sandbox import ScriptError
 from fila.storage import keys
 from fila.v1 import messages_pb2
 
+if TYPE_CHECKING:
+    from fila.core.broker import Broker
+
 log = logging.getLogger("fila.broker")
 
+MAX_LISTED_KEYS = 1000
+MAX_ANSWER_BYTES = 3 * 1024 * 1024
+DEFAULT_PEEK = 20
+MAX_PEEK = 1000
 
-DEFAULT_VISIBILITY_TIMEOUT_MS = 30_000
-MAX_VISIBILITY_TIMEOUT_MS = 7 * 24 * 3600 * 1000
+
+def _ref_key(ref: MessageRef) -> bytes:
+    return ref.key
 
 
-class Administration(BrokerState):
-    """Queue lifecycle, stats, runtime config and redrive."""
+class Administration:
+    """Queue lifecycle, stats, runtime config, redrive, peek, purge and restore."""
+
+    def __init__(self, broker: Broker) -> None:
+        self.broker = broker
+
+    # -- queues --------------------------------------------------------------------
 
     def create_queue(
         self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
     ) -> asyncio.Future[None]:
-        self._check_open()
+        self.broker.check_open()
         validate_queue_name(name)
         if name.endswith(DLQ_SUFFIX):
             raise InvalidArgument(
@@ -41,28 +77,34 @@ class Administration(BrokerState):
                 "dead-letter queues (creating a queue creates its own)"
             )
         dlq_name = name + DLQ_SUFFIX
-        if name in self.queues:
+        if name in self.broker.queues:
             raise QueueAlreadyExists(name)
-        if dlq_name in self.queues:
+        if dlq_name in self.broker.queues:
             raise QueueAlreadyExists(dlq_name)
+        limit = self.broker.settings.max_queues
+        if len(self.broker.queues) + 2 > 2 * limit:
+            raise ResourceExhausted(
+                f"the broker holds {len(self.broker.queues) // 2} queues, the limit is {limit} "
+                "(server.max_queues)"
+            )
         timeout = visibility_timeout_ms or DEFAULT_VISIBILITY_TIMEOUT_MS
         if timeout > MAX_VISIBILITY_TIMEOUT_MS:
             raise InvalidArgument(
                 f"visibility_timeout_ms {timeout} is over the limit of {MAX_VISIBILITY_TIMEOUT_MS}"
             )
-        now = self.clock.now_ms()
+        now = self.broker.clock.now_ms()
         record = QueueRecord(name, on_enqueue, on_failure, timeout, "", now)
         hooks = self._make_hooks(record)
         dlq_record = QueueRecord(dlq_name, "", "", timeout, name, now)
         for rec, rec_hooks in ((record, hooks), (dlq_record, None)):
-            self.queues[rec.name] = Queue(rec, rec_hooks, self.settings.quantum)
-            self.committer.put(keys.queue_key(rec.name), rec.encode())
+            self._add_queue(rec, rec_hooks)
+            self.broker.committer.put(keys.queue_key(rec.name), rec.encode())
         log.info("queue created queue=%s", name)
-        return self.committer.flushed()
+        return self.broker.committer.flushed()
 
     def delete_queue(self, name: str) -> asyncio.Future[None]:
-        self._check_open()
-        queue = self._queue(name)
+        self.broker.check_open()
+        queue = self.broker.queue(name)
         if queue.record.dlq_of:
             raise InvalidArgument(
                 f'queue "{name}" is the dead-letter queue of "{queue.record.dlq_of}"; '
@@ -70,94 +112,245 @@ class Administration(BrokerState):
             )
         self._drop_queue(queue)
         dlq_name = queue.dlq_name
-        dlq = self.queues.get(dlq_name) if dlq_name else None
+        dlq = self.broker.queues.get(dlq_name) if dlq_name else None
         if dlq is not None:
             self._drop_queue(dlq)
         log.info("queue deleted queue=%s", name)
-        return self.committer.flushed()
+        return self.broker.committer.flushed()
 
     def list_queues(self) -> list[Queue]:
-        return sorted(self.queues.values(), key=lambda q: q.name)
+        return sorted(self.broker.queues.values(), key=lambda q: q.name)
 
     def stats(self, name: str) -> QueueStats:
-        queue = self._queue(name)
-        per_key = [
-            KeyStats(key.name, len(key.messages), key.deficit, key.weight)
-            for key in queue.drr.keys.values()
-        ]
-        per_key.sort(key=lambda k: k.key)
+        queue = self.broker.queue(name)
+        drr_keys = queue.drr.keys
+        shown = list(drr_keys.values())
+        if len(shown) > MAX_LISTED_KEYS:
+            shown = heapq.nlargest(MAX_LISTED_KEYS, shown, key=lambda k: len(k.messages))
+        deliveries = queue.key_deliveries
+        per_key = sorted(
+            (
+                KeyStats(k.name, len(k.messages), k.deficit, k.weight, deliveries.get(k.name, 0))
+                for k in shown
+            ),
+            key=lambda k: k.key,
+        )
         return QueueStats(
             depth=queue.depth,
             in_flight=len(queue.leases),
-            active_fairness_keys=len(per_key),
+            active_fairness_keys=len(drr_keys),
             active_consumers=len(queue.consumers),
-            quantum=self.settings.quantum,
+            quantum=self.broker.settings.quantum,
             per_key=per_key,
-            per_throttle=self.throttles.stats(),
+            per_throttle=self._throttle_stats(queue),
+            counters=queue.counters,
         )
 
-    def redrive(self, dlq_name: str, count: int) -> tuple[int, asyncio.Future[None]]:
-        self._check_open()
-        dlq = self._queue(dlq_name)
-        source_name = dlq.record.dlq_of
-        if not source_name:
-            raise InvalidArgument(f'queue "{dlq_name}" is not a dead-letter queue')
-        source = self._queue(source_name)
-        refs = dlq.drr.take(count if count > 0 else dlq.drr.ready_count)
-        hooks = source.hooks
-        for ref in refs:
-            record = self.db.get(ref.key)
-            if record is None:
-                log.error("dead-lettered message has no stored record id=%s", ref.id)
-                continue
-            message = messages_pb2.Message.FromString(record)
-            decision = (
-                hooks.on_enqueue(message.headers, len(message.payload))
-                if hooks is not None
-                else DEFAULT_ENQUEUE
-            )
-            metadata = message.metadata
-            metadata.fairness_key = ref.fairness_key = decision.fairness_key
-            metadata.weight = ref.weight = decision.weight
-            del metadata.throttle_keys[:]
-            metadata.throttle_keys.extend(decision.throttle_keys)
-            ref.throttle_keys = decision.throttle_keys
-            metadata.attempt_count = ref.attempt_count = 0
-            metadata.queue_id = source.name
-            self.committer.put(ref.key, message.SerializeToString())
-        self._ready_after_commit(source, refs, fresh=True)
-        self.counters.redriven += len(refs)
-        return len(refs), self.committer.flushed()
+    def _throttle_stats(self, queue: Queue) -> list[ThrottleStats]:
+        """The buckets this queue's ready messages use, else every bucket (capped)."""
+        used: set[str] = set()
+        for key in itertools.islice(queue.drr.keys.values(), MAX_LISTED_KEYS):
+            if key.messages:
+                used.update(key.messages[0].throttle_keys)
+        stats = self.broker.throttles.stats(used or None)
+        return stats[:MAX_LISTED_KEYS]
+
+    # -- runtime config ------------------------------------------------------------
 
     def set_config(self, key: str, value: str) -> asyncio.Future[None]:
-        self._check_open()
+        self.broker.check_open()
         change = validate_entry(key, value)
-        self.config.set(key, value)
+        self.broker.config.set(key, value)
         if value == "":
-            self.committer.delete(keys.config_key(key))
+            self.broker.committer.delete(keys.config_key(key))
         else:
-            self.committer.put(keys.config_key(key), value.encode())
+            self.broker.committer.put(keys.config_key(key), value.encode())
         if change is not None:
             self._apply_throttle(change)
-        return self.committer.flushed()
+        return self.broker.committer.flushed()
 
     def get_config(self, key: str) -> str:
-        value = self.config.get(key)
+        value = self.broker.config.get(key)
         if value is None:
             raise ConfigKeyNotFound(key)
         return value
 
-    def list_config(self, prefix: str) -> list[tuple[str, str]]:
-        return self.config.items(prefix)
+    def list_config(self, prefix: str) -> tuple[list[tuple[str, str]], int]:
+        """Entries under `prefix`, as many as fit in one answer, and how many there are."""
+        entries = self.broker.config.items(prefix)
+        shown: list[tuple[str, str]] = []
+        size = 0
+        for key, value in entries:
+            size += len(key) + len(value) + 8
+            if size > MAX_ANSWER_BYTES:
+                break
+            shown.append((key, value))
+        return shown, len(entries)
 
     def _apply_throttle(self, change: ThrottleChange) -> None:
         if change.rate is None or change.burst is None:
-            self.throttles.remove(change.key)
+            self.broker.throttles.remove(change.key)
         else:
-            self.throttles.configure(change.key, change.rate, change.burst)
-        for queue in self.queues.values():
+            self.broker.throttles.configure(change.key, change.rate, change.burst)
+        for queue in self.broker.queues.values():
             if queue.drr.unpark_all():
-                self._mark_dirty(queue)
+                self.broker.mark_dirty(queue)
+
+    # -- dead letters, peek, purge ---------------------------------------------------
+
+    def redrive(self, dlq_name: str, count: int) -> tuple[int, asyncio.Future[None]]:
+        """Moves up to `count` (0 = all) ready DLQ messages back, re-running on_enqueue.
+
+        Every record is read and every decision made before anything moves, so a
+        failure (an unreadable record) leaves both queues as they were."""
+        self.broker.check_open()
+        dlq = self.broker.queue(dlq_name)
+        source_name = dlq.record.dlq_of
+        if not source_name:
+            raise InvalidArgument(f'queue "{dlq_name}" is not a dead-letter queue')
+        source = self.broker.queue(source_name)
+        wanted = count if count > 0 else dlq.drr.ready_count
+        planned: list[tuple[MessageRef, bytes]] = []
+        for ref in itertools.islice(dlq.drr.iter_ready(), wanted):
+            record = self.broker.read_record(ref.key)
+            if record is None:
+                raise InvalidArgument(f"dead-lettered message {ref.id} has no stored record")
+            message = messages_pb2.Message.FromString(record)
+            decision = self.broker.decide_enqueue(source, message.headers, len(message.payload))
+            metadata = message.metadata
+            metadata.fairness_key = decision.fairness_key
+            metadata.weight = decision.weight
+            del metadata.throttle_keys[:]
+            metadata.throttle_keys.extend(decision.throttle_keys)
+            metadata.attempt_count = 0
+            metadata.queue_id = source.name
+            moved = MessageRef(
+                ref.key, decision.fairness_key, decision.weight, decision.throttle_keys, 0
+            )
+            planned.append((moved, message.SerializeToString()))
+        taken = dlq.drr.take(len(planned))
+        assert [r.key for r in taken] == [m.key for m, _ in planned], "redrive order changed"
+        for moved, record in planned:
+            self.broker.committer.put(moved.key, record)
+        self.broker.ready_after_commit(source, [moved for moved, _ in planned], fresh=True)
+        source.counters.redriven += len(planned)
+        return len(planned), self.broker.committer.flushed()
+
+    def peek(
+        self, queue_name: str, limit: int, after_id: str, fairness_key: str
+    ) -> tuple[list[messages_pb2.Message], str]:
+        """Ready, delayed and leased messages in id order, changing nothing.
+
+        Returns the page and the id to pass as `after_id` for the next one (empty
+        at the end)."""
+        queue = self.broker.queue(queue_name)
+        limit = DEFAULT_PEEK if limit == 0 else min(limit, MAX_PEEK)
+        after = b""
+        if after_id:
+            raw = parse_id(after_id)
+            if raw is None:
+                raise InvalidArgument(f'after_id "{clip(after_id)}" is not a message id')
+            after = keys.MESSAGE + raw
+        refs = list(itertools.islice(self._peek_candidates(queue, after, fairness_key), limit + 1))
+        more = len(refs) > limit
+        page: list[messages_pb2.Message] = []
+        size = 0
+        for ref in refs[:limit]:
+            record = self.broker.read_record(ref.key)
+            if record is None:
+                continue
+            if page and size + len(record) > MAX_ANSWER_BYTES:
+                more = True
+                break
+            size += len(record)
+            message = messages_pb2.Message.FromString(record)
+            lease = queue.leases.get(ref.key)
+            if lease is not None:
+                message.timestamps.leased_at.FromMilliseconds(lease.leased_at_ms)
+            page.append(message)
+        next_after = page[-1].id if more and page else ""
+        return page, next_after
+
+    def _peek_candidates(
+        self, queue: Queue, after: bytes, fairness_key: str
+    ) -> Iterator[MessageRef]:
+        """Every visible message of `queue` with a key above `after`, in key (id) order."""
+
+        def wanted(refs: Iterable[MessageRef]) -> Iterator[MessageRef]:
+            for ref in refs:
+                if ref.key > after and (not fairness_key or ref.fairness_key == fairness_key):
+                    yield ref
+
+        sources: list[Iterable[MessageRef]] = []
+        drr_keys = queue.drr.keys
+        ready_keys = (
+            ([drr_keys[fairness_key]] if fairness_key in drr_keys else [])
+            if fairness_key
+            else list(drr_keys.values())
+        )
+        for key in ready_keys:
+            messages = key.messages
+            start = bisect_right(messages, after, key=_ref_key) if after else 0
+            sources.append(itertools.islice(messages, start, None))
+        sources.append(sorted(wanted(queue.delayed.values()), key=_ref_key))
+        sources.append(sorted(wanted(lease.ref for lease in queue.leases), key=_ref_key))
+        return heapq.merge(*sources, key=_ref_key)
+
+    def purge(self, queue_name: str) -> tuple[int, asyncio.Future[None]]:
+        """Deletes every ready and delayed message (leased ones finish normally)."""
+        self.broker.check_open()
+        queue = self.broker.queue(queue_name)
+        committer = self.broker.committer
+        purged = queue.drr.drain()
+        purged += queue.limbo.values()
+        for ref in purged:
+            committer.delete(ref.key)
+        for ref in queue.delayed.values():
+            committer.delete(ref.key)
+            committer.delete(keys.delay_key(ref.key))
+        count = len(purged) + len(queue.delayed)
+        queue.limbo.clear()
+        queue.delayed.clear()
+        queue.counters.purged += count
+        log.info("queue purged queue=%s messages=%d", queue.name, count)
+        return count, committer.flushed()
+
+    # -- restore (recovery) ----------------------------------------------------------
+
+    def restore_queue(self, record: QueueRecord) -> Queue:
+        """A stored queue; a stored script that no longer loads is logged, not fatal."""
+        try:
+            hooks = self._make_hooks(record)
+        except InvalidArgument as exc:
+            log.error(
+                "queue %s: stored script no longer loads, hooks disabled: %s", record.name, exc
+            )
+            hooks = None
+        return self._add_queue(record, hooks)
+
+    def restore_config(self, key: str, value: str) -> None:
+        self.broker.config.set(key, value)
+        try:
+            change = validate_entry(key, value)
+        except InvalidArgument as exc:
+            log.error("stored config %s is invalid, ignored for throttling: %s", key, exc)
+            return
+        if change is not None:
+            self._apply_throttle(change)
+
+    # -- internals -------------------------------------------------------------------
+
+    def _add_queue(self, record: QueueRecord, hooks: QueueHooks | None) -> Queue:
+        queue = Queue(
+            record,
+            hooks,
+            self.broker.settings.quantum,
+            self.broker.committer,
+            self.broker.schedule_expiry,
+            self.broker.mark_dirty,
+        )
+        self.broker.queues[record.name] = queue
+        return queue
 
     def _make_hooks(self, record: QueueRecord) -> QueueHooks | None:
         if not (record.on_enqueue_script.strip() or record.on_failure_script.strip()):
@@ -167,54 +360,26 @@ class Administration(BrokerState):
                 record.name,
                 record.on_enqueue_script,
                 record.on_failure_script,
-                self.settings.lua,
-                self.config.get,
-                self.clock,
+                self.broker.settings.lua,
+                self.broker.config.get,
+                self.broker.clock,
             )
         except ScriptError as exc:
             raise InvalidArgument(f'queue "{record.name}": {exc}') from None
 
     def _drop_queue(self, queue: Queue) -> None:
         queue.deleted = True
-        del self.queues[queue.name]
-        self._dirty.discard(queue)
-        committer = self.committer
-        for consumer in list(queue.consumers.values()):
-            consumer.close(QueueNotFound(queue.name))
-        queue.consumers.clear()
-        queue.waiting.clear()
-        for lease in queue.leases.values():
-            lease.active = False
+        del self.broker.queues[queue.name]
+        self.broker.unmark_dirty(queue)
+        committer = self.broker.committer
+        queue.consumers.close_all(QueueNotFound(queue.name))
+        for lease in queue.leases.end_all():
             committer.delete(lease.ref.key)
-            committer.delete(keys.lease_key(lease.ref.key))
-        queue.leases.clear()
         for ref in queue.delayed.values():
             committer.delete(ref.key)
             committer.delete(keys.delay_key(ref.key))
         queue.delayed.clear()
-        for ref in queue.drr.drain():
+        for ref in itertools.chain(queue.drr.drain(), queue.limbo.values()):
             committer.delete(ref.key)
+        queue.limbo.clear()
         committer.delete(keys.queue_key(queue.name))
-
-    def add_recovered_queue(self, record: QueueRecord) -> Queue:
-        """Recovery only: a stored script that no longer loads is logged, not fatal."""
-        try:
-            hooks = self._make_hooks(record)
-        except InvalidArgument as exc:
-            log.error(
-                "queue %s: stored script no longer loads, hooks disabled: %s", record.name, exc
-            )
-            hooks = None
-        queue = Queue(record, hooks, self.settings.quantum)
-        self.queues[record.name] = queue
-        return queue
-
-    def recovered_config(self, key: str, value: str) -> None:
-        self.config.set(key, value)
-        try:
-            change = validate_entry(key, value)
-        except InvalidArgument as exc:
-            log.error("stored config %s is invalid, ignored for throttling: %s", key, exc)
-            return
-        if change is not None:
-            self._apply_throttle(change)

@@ -65,8 +65,10 @@ class Drr:
             key = FairnessKey(ref.fairness_key, ref.weight)
             self.keys[ref.fairness_key] = key
             self._ring.append(key)
-        elif fresh:
-            key.weight = ref.weight
+        else:
+            ref.fairness_key = key.name  # one shared string per key, not one per message
+            if fresh:
+                key.weight = ref.weight
         messages = key.messages
         if not messages or messages[-1].key < ref.key:
             messages.append(ref)

@@ -1,23 +1,31 @@
-"""One queue's live state: its ready messages (DRR), leases, delayed retries, consumers.
+"""One queue's live state: ready messages (DRR), leases, delayed messages, consumers.
 
-Owned and mutated only by the `Broker`, on the event loop.
+Owned and mutated only by the `Broker`, on the event loop, through the methods of
+the parts: `Drr` for ready messages, `LeaseTable` for leases, `ConsumerRing` for
+consumers. `delayed` (stored, ready later) and `limbo` (written, waiting for the
+commit that makes them deliverable) are plain maps the broker's primitives own.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from collections import deque
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
-from fila.core.consumer import Consumer
+from fila.core.consumers import ConsumerRing
 from fila.core.drr import Drr
-from fila.core.errors import InvalidArgument
+from fila.core.errors import InvalidArgument, clip
+from fila.core.leases import LeaseTable
 from fila.core.records import Lease, MessageRef
+from fila.core.stats import MAX_TRACKED_KEYS, QueueCounters
 from fila.lua.hooks import QueueHooks
+from fila.storage.committer import Committer
 
 DLQ_SUFFIX = ".dlq"
 MAX_QUEUE_NAME = 255
+DEFAULT_VISIBILITY_TIMEOUT_MS = 30_000
+MAX_VISIBILITY_TIMEOUT_MS = 7 * 24 * 3600 * 1000
 _NAME_RE = re.compile(r"[A-Za-z0-9._:\-]+")
 
 
@@ -31,7 +39,9 @@ def validate_queue_name(name: str) -> None:
             f"queue name is {len(name)} characters, the limit is {MAX_QUEUE_NAME}"
         )
     if not _NAME_RE.fullmatch(name):
-        raise InvalidArgument(f'queue name "{name}" may only contain letters, digits and . _ - :')
+        raise InvalidArgument(
+            f'queue name "{clip(name)}" may only contain letters, digits and . _ - :'
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,30 +66,43 @@ class QueueRecord:
 class Queue:
     __slots__ = (
         "consumers",
+        "counters",
         "delayed",
         "deleted",
         "drr",
         "hooks",
-        "in_limbo",
+        "key_deliveries",
         "leases",
+        "limbo",
         "record",
         "throttle_wake_ms",
-        "waiting",
     )
 
-    def __init__(self, record: QueueRecord, hooks: QueueHooks | None, quantum: int) -> None:
+    def __init__(
+        self,
+        record: QueueRecord,
+        hooks: QueueHooks | None,
+        quantum: int,
+        committer: Committer,
+        schedule_expiry: Callable[[Queue, Lease], None],
+        mark_dirty: Callable[[Queue], None],
+    ) -> None:
         self.record = record
         self.hooks = hooks
         self.drr = Drr(quantum)
-        self.leases: dict[str, Lease] = {}
-        self.delayed: dict[str, MessageRef] = {}
-        self.consumers: dict[int, Consumer] = {}
-        # Consumers with room in their buffer, served round-robin.
-        self.waiting: deque[Consumer] = deque()
-        # Messages whose write is not yet committed; they become ready once it is.
-        self.in_limbo = 0
+        self.consumers = ConsumerRing()
+        self.leases = LeaseTable(
+            self.consumers,
+            committer,
+            lambda lease: schedule_expiry(self, lease),
+            lambda: mark_dirty(self),
+        )
+        self.delayed: dict[bytes, MessageRef] = {}
+        self.limbo: dict[bytes, MessageRef] = {}
         self.deleted = False
         self.throttle_wake_ms: int | None = None
+        self.counters = QueueCounters()
+        self.key_deliveries: dict[str, int] = {}
 
     @property
     def name(self) -> str:
@@ -91,4 +114,14 @@ class Queue:
 
     @property
     def depth(self) -> int:
-        return self.drr.ready_count + len(self.delayed) + self.in_limbo
+        """Ready + delayed messages, including those whose write is being committed."""
+        return self.drr.ready_count + len(self.delayed) + len(self.limbo)
+
+    def count_delivery(self, fairness_key: str) -> None:
+        self.counters.delivered += 1
+        deliveries = self.key_deliveries
+        count = deliveries.get(fairness_key)
+        if count is not None:
+            deliveries[fairness_key] = count + 1
+        elif len(deliveries) < MAX_TRACKED_KEYS:
+            deliveries[fairness_key] = 1

@@ -1,25 +1,34 @@
-"""Rebuilds the broker's in-memory state from RocksDB at startup.
+"""Rebuilds the broker's in-memory state from storage at startup.
 
-Runs before the server accepts connections. Queues and runtime config come
-back first (throttle buckets start full), then every stored message is placed
-by its side records: a live lease is restored with its deadline, a lease whose
-deadline passed while the broker was down counts as an expired delivery
-(attempt + 1, ready again), a delayed retry keeps its due time, and everything
-else is ready. Scanning messages in key order, which is UUIDv7 order, rebuilds
-each fairness key's FIFO order and so the DRR rings; deficits start at zero.
-Records of queues that no longer exist are deleted.
+Runs before the server accepts connections. Queues and runtime config come back
+first (throttle buckets start full), then every stored message is placed by its
+side records: a live lease is restored with its deadline, a lease whose deadline
+passed while the broker was down counts as an expired delivery (attempt + 1,
+ready again), a delayed message keeps its due time, and everything else is
+ready. Scanning messages in key order, which is UUIDv7 order, rebuilds each
+fairness key's FIFO order and so the DRR rings; deficits start at zero.
+
+Nothing is deleted because something else could not be read. Every scan either
+reads everything or raises `CorruptionError` (see `fila.storage.backend`), and a
+record that does not decode is corruption too: the broker then refuses to start
+and names what is damaged. A message whose queue does not exist is left where it
+is and reported, never deleted: no normal operation produces one (a queue's
+messages are deleted in the same atomic batch as the queue), so it means damage.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from dataclasses import dataclass
 
+from google.protobuf.message import DecodeError
+
 from fila.core.broker import Broker
 from fila.core.queue import QueueRecord
-from fila.core.records import Lease, MessageRef
+from fila.core.records import MessageRef
 from fila.storage import keys
-from fila.storage.store import scan
+from fila.storage.backend import CorruptionError
 from fila.v1 import messages_pb2
 
 log = logging.getLogger("fila.recovery")
@@ -33,39 +42,48 @@ class RecoveryReport:
     expired: int = 0
     delayed: int = 0
     orphans: int = 0
+    stale_side_records: int = 0
 
 
 def recover(broker: Broker) -> RecoveryReport:
-    db, committer = broker.db, broker.committer
+    storage, committer = broker.storage, broker.committer
     report = RecoveryReport()
-    for _, raw in scan(db, keys.QUEUE):
-        broker.add_recovered_queue(QueueRecord.decode(raw))
+    for raw_key, raw_queue in storage.scan(keys.QUEUE):
+        try:
+            record = QueueRecord.decode(raw_queue)
+        except (ValueError, TypeError, json.JSONDecodeError) as exc:
+            raise CorruptionError(f"queue record {raw_key[:64]!r} does not decode: {exc}") from None
+        broker.admin.restore_queue(record)
         report.queues += 1
-    for raw_key, raw_value in scan(db, keys.CONFIG):
-        broker.recovered_config(keys.config_name_from_key(raw_key), raw_value.decode())
+    for raw_key, raw_value in storage.scan(keys.CONFIG):
+        try:
+            broker.admin.restore_config(keys.config_name_from_key(raw_key), raw_value.decode())
+        except UnicodeDecodeError:
+            raise CorruptionError(f"config record {raw_key[:64]!r} is not UTF-8") from None
 
     leases = {
-        keys.message_key_from_side_key(k): keys.decode_lease(v) for k, v in scan(db, keys.LEASE)
+        keys.message_key_from_side_key(k): keys.decode_lease(v) for k, v in storage.scan(keys.LEASE)
     }
-    dues = {keys.message_key_from_side_key(k): keys.decode_due(v) for k, v in scan(db, keys.DELAY)}
+    dues = {
+        keys.message_key_from_side_key(k): keys.decode_due(v) for k, v in storage.scan(keys.DELAY)
+    }
     now = broker.clock.now_ms()
     last_key = b""
-    for key, record in scan(db, keys.MESSAGE):
+    for key, stored in storage.scan(keys.MESSAGE):
         last_key = key
-        message = messages_pb2.Message.FromString(record)
+        try:
+            message = messages_pb2.Message.FromString(stored)
+        except DecodeError as exc:
+            raise CorruptionError(f"message record {key.hex()} does not decode: {exc}") from None
         meta = message.metadata
         queue = broker.queues.get(meta.queue_id)
         lease = leases.pop(key, None)
         due = dues.pop(key, None)
         if queue is None:
-            committer.delete(key)
-            committer.delete(keys.lease_key(key))
-            committer.delete(keys.delay_key(key))
             report.orphans += 1
             continue
         ref = MessageRef(
             key,
-            message.id,
             meta.fairness_key or "default",
             meta.weight or 1,
             tuple(meta.throttle_keys),
@@ -74,10 +92,7 @@ def recover(broker: Broker) -> RecoveryReport:
         if lease is not None:
             deadline_ms, leased_at_ms = lease
             if deadline_ms > now:
-                restored = Lease(ref, record, deadline_ms, leased_at_ms, None)
-                restored.sent = True
-                queue.leases[ref.id] = restored
-                broker.schedule_expiry(queue, restored)
+                queue.leases.restore(ref, deadline_ms, leased_at_ms)
                 report.leased += 1
                 continue
             ref.attempt_count += 1
@@ -86,25 +101,32 @@ def recover(broker: Broker) -> RecoveryReport:
             committer.delete(keys.lease_key(key))
             report.expired += 1
         elif due is not None:
-            broker.schedule_due(queue, ref, due)
+            queue.delayed[key] = ref
+            broker.timers.at(due, broker.release_delayed, (queue, ref))
             report.delayed += 1
             continue
         queue.drr.push(ref, fresh=True)
         report.ready += 1
     if last_key:
         broker.ids.advance_past(last_key[1:])
-    for key in (*leases, *dues):  # side records whose message is gone
+    for key in (*leases, *dues):  # side records whose message was deleted: useless alone
         committer.delete(keys.lease_key(key))
         committer.delete(keys.delay_key(key))
+        report.stale_side_records += 1
     committer.flush_now()
     broker.mark_all_dirty()
     log.info(
-        "recovered queues=%d ready=%d leased=%d expired=%d delayed=%d orphans=%d",
+        "recovered queues=%d ready=%d leased=%d expired=%d delayed=%d",
         report.queues,
         report.ready,
         report.leased,
         report.expired,
         report.delayed,
-        report.orphans,
     )
+    if report.orphans:
+        log.error(
+            "%d stored messages name a queue that does not exist; they were left untouched "
+            "(a sign of damage: see 'Damaged data' in docs/operations.md)",
+            report.orphans,
+        )
     return report

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fila.core.errors import InvalidArgument
+from fila.core.errors import InvalidArgument, clip
 from fila.core.throttle import THROTTLE_PREFIX, parse_throttle_value
 
 MAX_KEY_BYTES = 1024
@@ -31,7 +31,9 @@ def validate_entry(key: str, value: str) -> ThrottleChange | None:
     if len(key.encode()) > MAX_KEY_BYTES:
         raise InvalidArgument(f"config key is longer than {MAX_KEY_BYTES} bytes")
     if len(value.encode()) > MAX_VALUE_BYTES:
-        raise InvalidArgument(f'config value for "{key}" is longer than {MAX_VALUE_BYTES} bytes')
+        raise InvalidArgument(
+            f'config value for "{clip(key)}" is longer than {MAX_VALUE_BYTES} bytes'
+        )
     if not key.startswith(THROTTLE_PREFIX):
         return None
     throttle_key = key[len(THROTTLE_PREFIX) :]
@@ -42,7 +44,7 @@ def validate_entry(key: str, value: str) -> ThrottleChange | None:
     try:
         rate, burst = parse_throttle_value(value)
     except ValueError as exc:
-        raise InvalidArgument(f'bad value for "{key}": {exc}') from None
+        raise InvalidArgument(f'bad value for "{clip(key)}": {exc}') from None
     return ThrottleChange(throttle_key, rate, burst)
 
 

@@ -1,10 +1,30 @@
-"""Read-only views of broker state returned by stats calls, and lifetime counters."""
+"""Counters the broker keeps, and the read-only views stats calls return."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from fila.core.throttle import ThrottleStats
+
+# Per-key delivery counts are kept for at most this many keys per queue (the
+# dashboard's and watch mode's share-of-deliveries view); deliveries to keys beyond
+# it are still counted in the queue's total.
+MAX_TRACKED_KEYS = 10_000
+
+
+@dataclass(slots=True)
+class QueueCounters:
+    """Monotonic event counts of one queue since the broker started."""
+
+    enqueued: int = 0
+    delivered: int = 0
+    acked: int = 0
+    nacked: int = 0
+    expired: int = 0
+    dead_lettered: int = 0
+    redriven: int = 0
+    purged: int = 0
+    throttled: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -13,6 +33,7 @@ class KeyStats:
     pending: int
     deficit: int
     weight: int
+    delivered: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,16 +45,4 @@ class QueueStats:
     quantum: int
     per_key: list[KeyStats]
     per_throttle: list[ThrottleStats]
-
-
-@dataclass(slots=True)
-class BrokerCounters:
-    """Monotonic event counts since start; exported as metrics."""
-
-    enqueued: int = 0
-    delivered: int = 0
-    acked: int = 0
-    nacked: int = 0
-    expired: int = 0
-    dead_lettered: int = 0
-    redriven: int = 0
+    counters: QueueCounters

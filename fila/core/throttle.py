@@ -15,6 +15,10 @@ from dataclasses import dataclass
 from fila.core.clock import Clock
 
 THROTTLE_PREFIX = "throttle."
+# A slower rate would hold a key back for hours per token; a faster one is no limit.
+MIN_RATE = 0.001
+MAX_RATE = 1e9
+MAX_BURST = 1e9
 
 
 class TokenBucket:
@@ -46,15 +50,18 @@ def parse_throttle_value(value: str) -> tuple[float, float]:
     """Parses ``"<rate>,<burst>"``; raises ValueError with a reason a user can act on."""
     parts = value.split(",")
     if len(parts) != 2:
-        raise ValueError(f'expected "<rate>,<burst>", got "{value}"')
+        raise ValueError(f'expected "<rate>,<burst>", got "{value[:80]}"')
     try:
         rate, burst = float(parts[0]), float(parts[1])
     except ValueError:
-        raise ValueError(f'rate and burst must be numbers, got "{value}"') from None
-    if not (math.isfinite(rate) and rate > 0):
-        raise ValueError(f"rate must be a positive number, got {parts[0].strip()}")
-    if not (math.isfinite(burst) and burst >= 1):
-        raise ValueError(f"burst must be at least 1, got {parts[1].strip()}")
+        raise ValueError(f'rate and burst must be numbers, got "{value[:80]}"') from None
+    if not (math.isfinite(rate) and MIN_RATE <= rate <= MAX_RATE):
+        raise ValueError(
+            f"rate must be from {MIN_RATE:g} to {MAX_RATE:g} tokens per second, "
+            f"got {parts[0].strip()[:40]}"
+        )
+    if not (math.isfinite(burst) and 1 <= burst <= MAX_BURST):
+        raise ValueError(f"burst must be from 1 to {MAX_BURST:g}, got {parts[1].strip()[:40]}")
     return rate, burst
 
 
@@ -113,9 +120,12 @@ class Throttles:
                 wait = max(wait, missing / bucket.rate)
         return wait
 
-    def stats(self) -> list[ThrottleStats]:
+    def stats(self, keys: set[str] | None = None) -> list[ThrottleStats]:
+        """Every bucket, or those of `keys`, by key."""
         now = self._clock.now_s()
+        buckets = self._buckets
+        names = sorted(buckets if keys is None else keys & buckets.keys())
         return [
-            ThrottleStats(key, bucket.refill(now), bucket.rate, bucket.burst)
-            for key, bucket in sorted(self._buckets.items())
+            ThrottleStats(key, buckets[key].refill(now), buckets[key].rate, buckets[key].burst)
+            for key in names
         ]

@@ -1,10 +1,13 @@
-"""Deadlines the scheduler must act on: lease expiry, delayed retries, throttle wake-ups.
+"""Deadlines the scheduler must act on: lease expiry, delayed messages, throttle wake-ups.
 
-One heap and one pending `call_later` handle for the earliest entry, instead
-of a timer handle per message. Entries are not removed when their subject ends
-(a lease that was acked); the callback checks whether it is still current.
-So that a long visibility timeout under heavy traffic does not pile up dead
-entries, the heap is rebuilt from live entries whenever it doubles.
+One heap and one pending `call_later` handle for the earliest entry, instead of
+a timer handle per message. Entries are not removed when their subject ends (a
+lease that was acked); the callback checks whether it is still current. So that a
+long visibility timeout under heavy traffic does not pile up dead entries, the
+heap is rebuilt from live entries whenever it doubles.
+
+With `loop_driven=False` nothing is armed on the event loop: whoever drives the
+clock (a test on a `ManualClock`) calls `run_due()` after moving time.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ _MIN_COMPACT = 10_000
 
 
 class Timers:
-    def __init__(self, clock: Clock, is_live: Callable[[Any], bool]) -> None:
+    def __init__(
+        self, clock: Clock, is_live: Callable[[Any], bool], *, loop_driven: bool = True
+    ) -> None:
         self._clock = clock
         self._is_live = is_live
+        self._loop_driven = loop_driven
         self._compact_above = _MIN_COMPACT
         self._heap: list[tuple[int, int, Callable[[Any], None], Any]] = []
         self._seq = itertools.count()
@@ -34,17 +40,28 @@ class Timers:
         heapq.heappush(self._heap, (when_ms, next(self._seq), callback, arg))
         if len(self._heap) > self._compact_above:
             self._compact()
-        if self._armed_for is None or when_ms < self._armed_for:
+        if self._loop_driven and (self._armed_for is None or when_ms < self._armed_for):
             self._arm()
 
     def __len__(self) -> int:
         return len(self._heap)
+
+    def next_due_ms(self) -> int | None:
+        return self._heap[0][0] if self._heap else None
 
     def close(self) -> None:
         if self._handle is not None:
             self._handle.cancel()
             self._handle = None
         self._heap.clear()
+
+    def run_due(self) -> None:
+        """Runs every entry whose time has come, in time order."""
+        now = self._clock.now_ms()
+        heap = self._heap
+        while heap and heap[0][0] <= now:
+            _, _, callback, arg = heapq.heappop(heap)
+            callback(arg)
 
     def _compact(self) -> None:
         is_live = self._is_live
@@ -68,9 +85,5 @@ class Timers:
     def _fire(self) -> None:
         self._handle = None
         self._armed_for = None
-        now = self._clock.now_ms()
-        heap = self._heap
-        while heap and heap[0][0] <= now:
-            _, _, callback, arg = heapq.heappop(heap)
-            callback(arg)
+        self.run_due()
         self._arm()

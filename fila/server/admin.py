@@ -1,4 +1,8 @@
-"""`fila.v1.FilaAdmin`: queue admin, runtime config, redrive, stats."""
+"""`fila.v1.FilaAdmin`: queue admin, runtime config, redrive, stats, peek and purge.
+
+Registered like the hot path (see `fila.server.rpc`), so an undecodable request
+gets INVALID_ARGUMENT here too.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +12,22 @@ import grpc
 
 from fila.core.broker import Broker
 from fila.core.errors import Unimplemented
-from fila.server.status import unary_errors
-from fila.v1 import admin_pb2, admin_pb2_grpc
+from fila.server import rpc
+from fila.server.rpc import Context
+from fila.v1 import admin_pb2
 
-Context = grpc.aio.ServicerContext[Any, Any]
+SERVICE_NAME = "fila.v1.FilaAdmin"
 
 
-class FilaAdmin(admin_pb2_grpc.FilaAdminServicer):
+class FilaAdmin:
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
 
-    @unary_errors
-    async def CreateQueue(
+    async def create_queue(
         self, request: admin_pb2.CreateQueueRequest, context: Context
     ) -> admin_pb2.CreateQueueResponse:
         config = request.config
-        await self._broker.create_queue(
+        await self._broker.admin.create_queue(
             request.name,
             config.on_enqueue_script,
             config.on_failure_script,
@@ -31,15 +35,13 @@ class FilaAdmin(admin_pb2_grpc.FilaAdminServicer):
         )
         return admin_pb2.CreateQueueResponse(queue_id=request.name)
 
-    @unary_errors
-    async def DeleteQueue(
+    async def delete_queue(
         self, request: admin_pb2.DeleteQueueRequest, context: Context
     ) -> admin_pb2.DeleteQueueResponse:
-        await self._broker.delete_queue(request.queue)
+        await self._broker.admin.delete_queue(request.queue)
         return admin_pb2.DeleteQueueResponse()
 
-    @unary_errors
-    async def ListQueues(
+    async def list_queues(
         self, request: admin_pb2.ListQueuesRequest, context: Context
     ) -> admin_pb2.ListQueuesResponse:
         infos = [
@@ -49,15 +51,15 @@ class FilaAdmin(admin_pb2_grpc.FilaAdminServicer):
                 in_flight=len(queue.leases),
                 active_consumers=len(queue.consumers),
             )
-            for queue in self._broker.list_queues()
+            for queue in self._broker.admin.list_queues()
         ]
         return admin_pb2.ListQueuesResponse(queues=infos, cluster_node_count=1)
 
-    @unary_errors
-    async def GetStats(
+    async def get_stats(
         self, request: admin_pb2.GetStatsRequest, context: Context
     ) -> admin_pb2.GetStatsResponse:
-        stats = self._broker.stats(request.queue)
+        stats = self._broker.admin.stats(request.queue)
+        counters = stats.counters
         return admin_pb2.GetStatsResponse(
             depth=stats.depth,
             in_flight=stats.in_flight,
@@ -66,7 +68,11 @@ class FilaAdmin(admin_pb2_grpc.FilaAdminServicer):
             quantum=stats.quantum,
             per_key_stats=[
                 admin_pb2.PerFairnessKeyStats(
-                    key=k.key, pending_count=k.pending, current_deficit=k.deficit, weight=k.weight
+                    key=k.key,
+                    pending_count=k.pending,
+                    current_deficit=k.deficit,
+                    weight=k.weight,
+                    delivered_total=k.delivered,
                 )
                 for k in stats.per_key
             ],
@@ -76,59 +82,77 @@ class FilaAdmin(admin_pb2_grpc.FilaAdminServicer):
                 )
                 for t in stats.per_throttle
             ],
+            enqueued_total=counters.enqueued,
+            delivered_total=counters.delivered,
+            acked_total=counters.acked,
+            nacked_total=counters.nacked,
+            expired_total=counters.expired,
+            dead_lettered_total=counters.dead_lettered,
         )
 
-    @unary_errors
-    async def SetConfig(
+    async def set_config(
         self, request: admin_pb2.SetConfigRequest, context: Context
     ) -> admin_pb2.SetConfigResponse:
-        await self._broker.set_config(request.key, request.value)
+        await self._broker.admin.set_config(request.key, request.value)
         return admin_pb2.SetConfigResponse()
 
-    @unary_errors
-    async def GetConfig(
+    async def get_config(
         self, request: admin_pb2.GetConfigRequest, context: Context
     ) -> admin_pb2.GetConfigResponse:
-        return admin_pb2.GetConfigResponse(value=self._broker.get_config(request.key))
+        return admin_pb2.GetConfigResponse(value=self._broker.admin.get_config(request.key))
 
-    @unary_errors
-    async def ListConfig(
+    async def list_config(
         self, request: admin_pb2.ListConfigRequest, context: Context
     ) -> admin_pb2.ListConfigResponse:
-        entries = self._broker.list_config(request.prefix)
+        entries, total = self._broker.admin.list_config(request.prefix)
         return admin_pb2.ListConfigResponse(
             entries=[admin_pb2.ConfigEntry(key=k, value=v) for k, v in entries],
-            total_count=len(entries),
+            total_count=total,
         )
 
-    @unary_errors
-    async def Redrive(
+    async def redrive(
         self, request: admin_pb2.RedriveRequest, context: Context
     ) -> admin_pb2.RedriveResponse:
-        count, committed = self._broker.redrive(request.dlq_queue, request.count)
+        count, committed = self._broker.admin.redrive(request.dlq_queue, request.count)
         await committed
         return admin_pb2.RedriveResponse(redriven=count)
 
-    @unary_errors
-    async def CreateApiKey(self, request: Any, context: Context) -> Any:
-        raise _security_pending()
+    async def peek_messages(
+        self, request: admin_pb2.PeekMessagesRequest, context: Context
+    ) -> admin_pb2.PeekMessagesResponse:
+        messages, next_after = self._broker.admin.peek(
+            request.queue, request.limit, request.after_id, request.fairness_key
+        )
+        return admin_pb2.PeekMessagesResponse(messages=messages, next_after_id=next_after)
 
-    @unary_errors
-    async def RevokeApiKey(self, request: Any, context: Context) -> Any:
-        raise _security_pending()
+    async def purge_queue(
+        self, request: admin_pb2.PurgeQueueRequest, context: Context
+    ) -> admin_pb2.PurgeQueueResponse:
+        count, committed = self._broker.admin.purge(request.queue)
+        await committed
+        return admin_pb2.PurgeQueueResponse(purged=count)
 
-    @unary_errors
-    async def ListApiKeys(self, request: Any, context: Context) -> Any:
-        raise _security_pending()
+    async def security_pending(self, request: Any, context: Context) -> Any:
+        raise Unimplemented("API keys and ACLs are not available in this release")
 
-    @unary_errors
-    async def SetAcl(self, request: Any, context: Context) -> Any:
-        raise _security_pending()
-
-    @unary_errors
-    async def GetAcl(self, request: Any, context: Context) -> Any:
-        raise _security_pending()
-
-
-def _security_pending() -> Unimplemented:
-    return Unimplemented("API keys and ACLs are not available in this release")
+    def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        a = admin_pb2
+        table: dict[str, tuple[Any, Any]] = {
+            "CreateQueue": (a.CreateQueueRequest, self.create_queue),
+            "DeleteQueue": (a.DeleteQueueRequest, self.delete_queue),
+            "ListQueues": (a.ListQueuesRequest, self.list_queues),
+            "GetStats": (a.GetStatsRequest, self.get_stats),
+            "SetConfig": (a.SetConfigRequest, self.set_config),
+            "GetConfig": (a.GetConfigRequest, self.get_config),
+            "ListConfig": (a.ListConfigRequest, self.list_config),
+            "Redrive": (a.RedriveRequest, self.redrive),
+            "PeekMessages": (a.PeekMessagesRequest, self.peek_messages),
+            "PurgeQueue": (a.PurgeQueueRequest, self.purge_queue),
+            "CreateApiKey": (a.CreateApiKeyRequest, self.security_pending),
+            "RevokeApiKey": (a.RevokeApiKeyRequest, self.security_pending),
+            "ListApiKeys": (a.ListApiKeysRequest, self.security_pending),
+            "SetAcl": (a.SetAclRequest, self.security_pending),
+            "GetAcl": (a.GetAclRequest, self.security_pending),
+        }
+        handlers = {name: rpc.unary(name, cls, fn) for name, (cls, fn) in table.items()}
+        return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

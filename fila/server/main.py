@@ -3,7 +3,10 @@
 Shutdown order matters for durability: stop taking new work, end consume
 streams (returning unsent deliveries to their queues), let in-flight unary
 calls finish within the grace period, then commit what is pending and close
-RocksDB.
+storage.
+
+Every way startup can fail ends with one line on stderr naming the cause and the
+way out, and a documented exit code (see `ExitCode`); no traceback.
 """
 
 from __future__ import annotations
@@ -13,7 +16,9 @@ import asyncio
 import logging
 import os
 import signal
+import ssl
 import sys
+from enum import IntEnum
 from pathlib import Path
 
 import grpc
@@ -26,27 +31,45 @@ from fila.config import Config, ConfigError, default_config_text, load_config
 from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import SystemClock
 from fila.core.recovery import recover
-from fila.server.admin import FilaAdmin
+from fila.server import admin, service
 from fila.server.auth import AuthInterceptor, BootstrapKey
-from fila.server.service import SERVICE_NAME, FilaService
-from fila.storage.store import Committer, StorageError, open_db
-from fila.v1 import admin_pb2, admin_pb2_grpc
+from fila.server.limits import connection_cap, raise_open_files_limit
+from fila.storage.backend import CorruptionError, RocksStorage, StorageError, repair
+from fila.storage.committer import Committer
 
 log = logging.getLogger("fila.server")
 
-
-# gRPC refuses larger requests before Fila sees them, with RESOURCE_EXHAUSTED. Keep
-# that transport bound far above the message limits, so an oversized message reaches
-# the broker's own check and gets INVALID_ARGUMENT (SPEC 3).
-MIN_TRANSPORT_LIMIT = 64 * 1024 * 1024
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
-def _server_options(config: Config) -> list[tuple[str, int]]:
-    message_limit = config.server.max_message_bytes + config.server.max_header_bytes
-    frame_limit = max(MIN_TRANSPORT_LIMIT, 2 * message_limit + 64 * 1024)
+class ExitCode(IntEnum):
+    OK = 0
+    STARTUP_FAILED = 1  # cannot listen, data directory unusable or in use, TLS files bad
+    BAD_CONFIG = 2  # the configuration (file, environment, arguments) is invalid
+    STORAGE_FAILED = 3  # a write or sync failed while serving; the broker stopped
+    DATA_DAMAGED = 4  # stored data failed its checksums; see `fila-server --repair`
+
+
+class StartupError(Exception):
+    """A reason the broker cannot start, worded for the operator."""
+
+    def __init__(self, message: str, code: ExitCode = ExitCode.STARTUP_FAILED) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def server_options(config: Config, max_connections: int) -> list[tuple[str, int]]:
+    server = config.server
     return [
-        ("grpc.max_receive_message_length", frame_limit),
-        ("grpc.max_send_message_length", frame_limit),
+        # Requests larger than the broker could accept are refused before being read
+        # in full, so an unauthenticated peer cannot make the broker hold more.
+        ("grpc.max_receive_message_length", server.max_request_bytes),
+        ("grpc.max_send_message_length", -1),
+        # Two brokers must never share a port (gRPC sets SO_REUSEPORT by default).
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_allowed_incoming_connections", max_connections),
+        ("grpc.server_handshake_timeout_ms", server.handshake_timeout_ms),
+        ("grpc.max_connection_idle_ms", server.idle_connection_timeout_ms),
         # Detect consumers that vanished without closing their connection.
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
@@ -55,77 +78,130 @@ def _server_options(config: Config) -> list[tuple[str, int]]:
     ]
 
 
-def _credentials(config: Config) -> grpc.ServerCredentials | None:
+def tls_credentials(config: Config) -> grpc.ServerCredentials | None:
+    """The listener's TLS credentials, checked here so a bad file gets a clear reason
+    (gRPC itself only reports "failed to bind")."""
     tls = config.tls
     if not tls.cert_file:
         return None
-    cert = Path(tls.cert_file).read_bytes()
-    key = Path(tls.key_file).read_bytes()
-    ca = Path(tls.ca_file).read_bytes() if tls.ca_file else None
+
+    def read(path: str, what: str) -> bytes:
+        try:
+            return Path(path).read_bytes()
+        except OSError as exc:
+            raise StartupError(f"cannot read tls.{what} {path}: {exc.strerror or exc}") from None
+
+    cert, key = read(tls.cert_file, "cert_file"), read(tls.key_file, "key_file")
+    ca = read(tls.ca_file, "ca_file") if tls.ca_file else None
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    except ssl.SSLError as exc:
+        raise StartupError(
+            f"tls.cert_file {tls.cert_file} and tls.key_file {tls.key_file} are not a valid "
+            f"PEM certificate and its private key ({exc.reason or exc})"
+        ) from None
+    if tls.ca_file:
+        try:
+            context.load_verify_locations(tls.ca_file)
+        except ssl.SSLError as exc:
+            raise StartupError(
+                f"tls.ca_file {tls.ca_file} is not a PEM CA bundle ({exc.reason or exc})"
+            ) from None
     return grpc.ssl_server_credentials(
         [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
     )
 
 
-async def serve(config: Config) -> int:
-    data_dir = Path(config.storage.data_dir)
+def open_storage(data_dir: Path) -> RocksStorage:
     try:
-        db = open_db(data_dir)
-    except Exception as exc:  # rocksdict raises plain Exception, e.g. for a held LOCK
-        log.critical("cannot open data dir %s: %s", data_dir, exc)
-        return 1
+        return RocksStorage(data_dir)
+    except CorruptionError as exc:
+        raise StartupError(str(exc), ExitCode.DATA_DAMAGED) from None
+    except StorageError as exc:
+        raise StartupError(str(exc)) from None
+
+
+async def serve(config: Config) -> ExitCode:
+    open_files = raise_open_files_limit()
+    max_connections = connection_cap(config.server.max_connections, open_files)
+    credentials = tls_credentials(config)
+    data_dir = Path(config.storage.data_dir)
+    storage = open_storage(data_dir)
     stop = asyncio.Event()
     failure: list[StorageError] = []
 
     def on_storage_failure(exc: StorageError) -> None:
-        failure.append(exc)
+        if not failure:
+            failure.append(exc)
         stop.set()
 
-    committer = Committer(db, config.storage.persist_mode, on_storage_failure)
-    broker = Broker(db, committer, BrokerSettings.from_config(config), SystemClock())
-    recover(broker)
+    committer = Committer(storage, config.storage.persist_mode, on_storage_failure)
+    broker = Broker(
+        storage,
+        committer,
+        BrokerSettings.from_config(config),
+        SystemClock(),
+        on_storage_failure=on_storage_failure,
+    )
+    try:
+        recover(broker)
+    except CorruptionError as exc:
+        committer.close()
+        storage.close()
+        raise StartupError(
+            f"data in {data_dir} is damaged: {exc}. The broker refuses to start rather than "
+            "serve without acknowledged messages; see 'Damaged data' in docs/operations.md "
+            "(fila-server --repair)",
+            ExitCode.DATA_DAMAGED,
+        ) from None
 
     interceptors = []
     if config.auth.bootstrap_apikey:
         interceptors.append(AuthInterceptor(BootstrapKey(config.auth.bootstrap_apikey)))
-    server = grpc.aio.server(options=_server_options(config), interceptors=interceptors)
-    server.add_generic_rpc_handlers((FilaService(broker).generic_handler(),))
-    admin_pb2_grpc.add_FilaAdminServicer_to_server(FilaAdmin(broker), server)
+    server = grpc.aio.server(
+        options=server_options(config, max_connections), interceptors=interceptors
+    )
+    server.add_generic_rpc_handlers(
+        (
+            service.FilaService(broker).generic_handler(),
+            admin.FilaAdmin(broker).generic_handler(),
+        )
+    )
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
-        (
-            SERVICE_NAME,
-            admin_pb2.DESCRIPTOR.services_by_name["FilaAdmin"].full_name,
-            health.SERVICE_NAME,
-            reflection.SERVICE_NAME,
-        ),
+        (service.SERVICE_NAME, admin.SERVICE_NAME, health.SERVICE_NAME, reflection.SERVICE_NAME),
         server,
     )
     addr = config.server.listen_addr
-    credentials = _credentials(config)
     try:
         if credentials is None:
             server.add_insecure_port(addr)
         else:
             server.add_secure_port(addr, credentials)
-    except RuntimeError as exc:
-        log.critical("cannot listen on %s: %s", addr, exc)
-        db.close()
-        return 1
+    except RuntimeError:
+        committer.close()
+        storage.close()
+        raise StartupError(
+            f"cannot listen on {addr}: the address is in use (another broker?) or not "
+            "valid here; set server.listen_addr or FILA_LISTEN_ADDR"
+        ) from None
     await server.start()
-    for name in ("", SERVICE_NAME, "fila.v1.FilaAdmin"):
+    for name in ("", service.SERVICE_NAME, admin.SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "listening addr=%s data_dir=%s persist_mode=%s tls=%s auth=%s version=%s",
+        "listening addr=%s data_dir=%s persist_mode=%s tls=%s auth=%s max_connections=%d "
+        "version=%s",
         addr,
         data_dir,
         config.storage.persist_mode,
         credentials is not None,
         bool(config.auth.bootstrap_apikey),
+        max_connections,
         __version__,
     )
     if config.telemetry.otlp_endpoint or config.telemetry.prometheus_listen:
@@ -134,27 +210,48 @@ async def serve(config: Config) -> int:
 
     log.info("shutting down")
     await health_servicer.enter_graceful_shutdown()
-    broker.close()
+    if not failure:
+        broker.close()
     await server.stop(config.server.shutdown_grace_ms / 1000)
     if not failure:
         committer.flush_now()
     committer.close()
-    db.close()
+    try:
+        storage.close()
+    except StorageError as exc:  # the failure that stopped us may stop the close too
+        log.error("closing storage: %s", exc)
     log.info(
         "stopped batches_written=%d ops_written=%d fsyncs=%d",
         committer.batches_written,
         committer.ops_written,
         committer.syncs,
     )
-    return 3 if failure else 0
+    if failure:
+        log.critical("stopped because storage failed: %s", failure[0])
+        return ExitCode.STORAGE_FAILED
+    return ExitCode.OK
 
 
-def _configure_logging() -> None:
+def _log_level(env: dict[str, str] | os._Environ[str]) -> str:
+    level = env.get("FILA_LOG_LEVEL", "INFO").upper()
+    if level not in LOG_LEVELS:
+        raise ConfigError(
+            f'FILA_LOG_LEVEL must be one of {", ".join(LOG_LEVELS)}, got "{level[:40]}"'
+        )
+    return level
+
+
+def _configure_logging(level: str) -> None:
     logging.basicConfig(
-        level=os.environ.get("FILA_LOG_LEVEL", "INFO").upper(),
+        level=level,
         format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
         stream=sys.stderr,
     )
+
+
+def _fail(message: str, code: ExitCode) -> int:
+    print(f"fila-server: {message}", file=sys.stderr)
+    return int(code)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -169,19 +266,62 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="print the built-in configuration and exit",
     )
+    parser.add_argument(
+        "--check-config",
+        action="store_true",
+        help="validate the configuration (file and environment) and exit",
+    )
+    parser.add_argument(
+        "--repair",
+        action="store_true",
+        help="rebuild a damaged data directory from what is still readable, then exit "
+        "(see 'Damaged data' in docs/operations.md)",
+    )
     parser.add_argument("--version", action="version", version=f"fila-server {__version__}")
     args = parser.parse_args(argv)
     if args.print_default_config:
         sys.stdout.write(default_config_text())
-        return 0
+        return ExitCode.OK
     try:
         config, source = load_config(args.config, os.environ)
+        level = _log_level(os.environ)
     except ConfigError as exc:
-        print(f"fila-server: {exc}", file=sys.stderr)
-        return 2
-    _configure_logging()
+        return _fail(str(exc), ExitCode.BAD_CONFIG)
+    if args.check_config:
+        print(f"fila-server: configuration OK ({source or 'built-in defaults'})")
+        return ExitCode.OK
+    _configure_logging(level)
+    if args.repair:
+        return _repair(Path(config.storage.data_dir))
     log.info("config source=%s", source or "built-in defaults")
-    return asyncio.run(serve(config))
+    try:
+        return asyncio.run(serve(config))
+    except StartupError as exc:
+        return _fail(str(exc), exc.code)
+
+
+def _repair(data_dir: Path) -> int:
+    try:
+        repair(data_dir)
+        storage = RocksStorage(data_dir)
+    except Exception as exc:  # rocksdict raises plain Exception; report it as it is
+        return _fail(f"repair of {data_dir} failed: {exc}", ExitCode.DATA_DAMAGED)
+    try:
+        from fila.storage import keys
+
+        counts = {
+            name: sum(1 for _ in storage.scan(prefix))
+            for name, prefix in (("queues", keys.QUEUE), ("messages", keys.MESSAGE))
+        }
+    except CorruptionError as exc:
+        return _fail(f"{data_dir} is still damaged after repair: {exc}", ExitCode.DATA_DAMAGED)
+    finally:
+        storage.close()
+    print(
+        f"fila-server: repaired {data_dir}: {counts['queues']} queue records and "
+        f"{counts['messages']} messages are readable; start the broker normally"
+    )
+    return ExitCode.OK
 
 
 if __name__ == "__main__":

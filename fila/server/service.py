@@ -1,100 +1,286 @@
 """`fila.v1.FilaService`: the hot path, as thin adapters over the broker.
 
-Registered through a generic handler rather than the generated servicer so
-that `Consume` can send frames the broker already encoded (identity
-serializer) instead of re-serializing every message.
+Each handler decodes, calls one broker method, and encodes the answer; the
+streams also do flow control. Consume streams send frames the broker already
+encoded (identity serializer), see `fila.core.frames`.
+
+Batch and stream calls answer per item: an item's failure is a `BatchError` in
+its result, never the call's status, except where SPEC 1 says the whole call is
+refused (an empty batch, or one over `server.max_batch_messages`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 import grpc
 
-from fila.core.broker import Broker, EnqueueItem
-from fila.core.errors import BrokerError
-from fila.core.frames import KEEPALIVE_FRAME
-from fila.server.status import abort, unary_errors
+from fila.core.broker import Broker, ItemResult
+from fila.core.consumers import Consumer
+from fila.core.errors import BrokerError, InvalidArgument
+from fila.core.frames import KEEPALIVE_FRAME, timestamp
+from fila.server import rpc
+from fila.server.rpc import BadRequest, Context
+from fila.server.status import OK, batch_error
+from fila.storage.backend import StorageError
 from fila.v1 import service_pb2
 
 SERVICE_NAME = "fila.v1.FilaService"
-Context = grpc.aio.ServicerContext[Any, Any]
+
+
+class _StreamDone(BrokerError):
+    """The client half-closed a StreamConsume: end the stream with OK."""
 
 
 class FilaService:
     def __init__(self, broker: Broker) -> None:
         self._broker = broker
 
-    @unary_errors
+    # -- enqueue -------------------------------------------------------------------
+
     async def enqueue(
         self, request: service_pb2.EnqueueRequest, context: Context
     ) -> service_pb2.EnqueueResponse:
-        ids, committed = self._broker.enqueue(
-            request.queue, [EnqueueItem(request.headers, request.payload)]
-        )
+        results, committed = self._broker.enqueue((request,))
+        result = results[0]
+        if isinstance(result, BrokerError):
+            raise result
         await committed
-        return service_pb2.EnqueueResponse(message_id=ids[0])
+        return service_pb2.EnqueueResponse(message_id=result)
+
+    async def enqueue_batch(
+        self, request: service_pb2.EnqueueBatchRequest, context: Context
+    ) -> service_pb2.EnqueueBatchResponse:
+        self._check_batch_size(len(request.messages), "messages")
+        results, committed = self._broker.enqueue(request.messages)
+        await committed
+        return service_pb2.EnqueueBatchResponse(results=_enqueue_results(results))
+
+    async def stream_enqueue(
+        self,
+        requests: AsyncIterator[service_pb2.StreamEnqueueRequest | BadRequest],
+        context: Context,
+    ) -> None:
+        """Answers each request, in order, once its stored messages are durable.
+
+        Requests are taken as they arrive and handed to the broker at once, so many
+        can be in flight on one stream and share group commits; a second task writes
+        the answers as their commits complete."""
+        broker = self._broker
+        answers: asyncio.Queue[tuple[int, list[ItemResult], asyncio.Future[None]] | None]
+        answers = asyncio.Queue()
+
+        async def write_answers() -> None:
+            while (item := await answers.get()) is not None:
+                sequence, results, committed = item
+                await committed
+                await context.write(
+                    service_pb2.StreamEnqueueResponse(
+                        sequence_number=sequence, results=_enqueue_results(results)
+                    )
+                )
+
+        writer = asyncio.create_task(write_answers())
+        try:
+            async for request in requests:
+                request = await rpc.checked(request, "StreamEnqueue", context)
+                try:
+                    self._check_batch_size(len(request.messages), "messages", allow_empty=True)
+                    results, committed = broker.enqueue(request.messages)
+                except BrokerError as exc:
+                    results = [exc] * len(request.messages)
+                    committed = _done()
+                answers.put_nowait((request.sequence_number, results, committed))
+                if writer.done():
+                    break
+            answers.put_nowait(None)
+            await writer
+        finally:
+            if not writer.done():
+                writer.cancel()
+                with contextlib.suppress(asyncio.CancelledError, BrokerError, StorageError):
+                    await writer
+
+    # -- consume -------------------------------------------------------------------
 
     async def consume(self, request: service_pb2.ConsumeRequest, context: Context) -> None:
+        consumer = self._broker.delivery.attach_consumer(
+            request.queue, prefetch=request.prefetch, max_batch=request.max_batch
+        )
+        try:
+            await self._deliver(consumer, context)
+        finally:
+            self._broker.delivery.detach_consumer(consumer)
+
+    async def stream_consume(
+        self,
+        requests: AsyncIterator[service_pb2.StreamConsumeRequest | BadRequest],
+        context: Context,
+    ) -> None:
+        """Deliveries out, settlements in, on one stream (see SPEC 1 `StreamConsume`).
+
+        A task reads settlements and applies them in order; an id this stream does
+        not hold closes the consumer with NOT_FOUND, which ends the delivery loop
+        with that status, and the stream's leases go back to the queue."""
+        broker = self._broker
+        try:
+            opening = await anext(aiter(requests))
+        except StopAsyncIteration:
+            return  # the client closed before naming a queue
+        first = await rpc.checked(opening, "StreamConsume", context)
+        consumer = broker.delivery.attach_consumer(
+            first.queue,
+            prefetch=first.prefetch,
+            max_batch=first.max_batch,
+            owns_settlement=True,
+        )
+        queue_name = consumer.queue_name
+
+        def settle(request: service_pb2.StreamConsumeRequest) -> None:
+            if request.ack_ids or request.nacks:
+                broker.settle_on_stream(
+                    consumer.id,
+                    queue_name,
+                    request.ack_ids,
+                    [(nack.message_id, nack.error) for nack in request.nacks],
+                )
+
+        async def read_settlements() -> None:
+            try:
+                settle(first)
+                async for request in requests:
+                    if isinstance(request, BadRequest):
+                        rpc.BAD_REQUESTS.note("StreamConsume", request)
+                        raise request.error()
+                    settle(request)
+            except BrokerError as exc:
+                consumer.close(exc)
+                return
+            consumer.close(_StreamDone("stream closed by the client"))
+
+        reader = asyncio.create_task(read_settlements())
+        try:
+            await self._deliver(consumer, context)
+        except _StreamDone:
+            pass
+        finally:
+            reader.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await reader
+            broker.delivery.detach_consumer(consumer)
+
+    async def _deliver(self, consumer: Consumer, context: Context) -> None:
+        """Writes frames as the broker buffers deliveries; keepalives when idle.
+        Ends by raising the consumer's close reason."""
         broker = self._broker
         keepalive_s = broker.settings.keepalive_s
-        try:
-            consumer = broker.attach_consumer(request.queue)
-        except BrokerError as exc:
-            await abort(context, exc)
-        try:
-            while True:
-                item = consumer.take()
-                if item is None:
-                    if not await consumer.wait(keepalive_s):
-                        await context.write(KEEPALIVE_FRAME)
-                    continue
-                lease, frame = item
-                if broker.consumer_took(lease):
-                    await context.write(frame)
-        except BrokerError as exc:
-            await abort(context, exc)
-        finally:
-            broker.detach_consumer(consumer)
+        limit = consumer.max_batch
+        while True:
+            frame = broker.delivery.sending(consumer, limit)
+            if frame is None:
+                if not await consumer.wait(keepalive_s):
+                    await context.write(KEEPALIVE_FRAME)
+                continue
+            await context.write(frame)
 
-    @unary_errors
+    # -- settlement ----------------------------------------------------------------
+
     async def ack(
         self, request: service_pb2.AckRequest, context: Context
     ) -> service_pb2.AckResponse:
-        await self._broker.ack(request.queue, request.message_id)
+        await _single(self._broker.ack(((request.queue, request.message_id),)))
         return service_pb2.AckResponse()
 
-    @unary_errors
     async def nack(
         self, request: service_pb2.NackRequest, context: Context
     ) -> service_pb2.NackResponse:
-        await self._broker.nack(request.queue, request.message_id, request.error)
+        item = (request.queue, request.message_id, request.error)
+        await _single(self._broker.nack((item,)))
         return service_pb2.NackResponse()
 
-    def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
-        def identity(frame: bytes) -> bytes:
-            return frame
+    async def ack_batch(
+        self, request: service_pb2.AckBatchRequest, context: Context
+    ) -> service_pb2.AckBatchResponse:
+        self._check_batch_size(len(request.acks), "acks")
+        results, committed = self._broker.ack([(a.queue, a.message_id) for a in request.acks])
+        await committed
+        return service_pb2.AckBatchResponse(results=_settle_results(results))
 
+    async def nack_batch(
+        self, request: service_pb2.NackBatchRequest, context: Context
+    ) -> service_pb2.NackBatchResponse:
+        self._check_batch_size(len(request.nacks), "nacks")
+        items = [(n.queue, n.message_id, n.error) for n in request.nacks]
+        results, committed = self._broker.nack(items)
+        await committed
+        return service_pb2.NackBatchResponse(results=_settle_results(results))
+
+    async def extend_lease(
+        self, request: service_pb2.ExtendLeaseRequest, context: Context
+    ) -> service_pb2.ExtendLeaseResponse:
+        deadline, committed = self._broker.extend_lease(
+            request.queue, request.message_id, request.extend_ms
+        )
+        await committed
+        return service_pb2.ExtendLeaseResponse(deadline=timestamp(deadline))
+
+    # -- plumbing ------------------------------------------------------------------
+
+    def _check_batch_size(self, size: int, what: str, *, allow_empty: bool = False) -> None:
+        limit = self._broker.settings.max_batch_messages
+        if size == 0 and not allow_empty:
+            raise InvalidArgument(f"a batch needs at least one item in {what}")
+        if size > limit:
+            raise InvalidArgument(
+                f"a batch may carry at most {limit} {what} (server.max_batch_messages), got {size}"
+            )
+
+    def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
+        s = service_pb2
         handlers = {
-            "Enqueue": grpc.unary_unary_rpc_method_handler(
-                self.enqueue,
-                request_deserializer=service_pb2.EnqueueRequest.FromString,
-                response_serializer=service_pb2.EnqueueResponse.SerializeToString,
+            "Enqueue": rpc.unary("Enqueue", s.EnqueueRequest, self.enqueue),
+            "EnqueueBatch": rpc.unary("EnqueueBatch", s.EnqueueBatchRequest, self.enqueue_batch),
+            "StreamEnqueue": rpc.bidi_stream(
+                "StreamEnqueue", s.StreamEnqueueRequest, self.stream_enqueue
             ),
-            "Consume": grpc.unary_stream_rpc_method_handler(
-                self.consume,
-                request_deserializer=service_pb2.ConsumeRequest.FromString,
-                response_serializer=identity,
+            "Consume": rpc.server_stream("Consume", s.ConsumeRequest, self.consume),
+            "StreamConsume": rpc.bidi_stream(
+                "StreamConsume", s.StreamConsumeRequest, self.stream_consume, raw_responses=True
             ),
-            "Ack": grpc.unary_unary_rpc_method_handler(
-                self.ack,
-                request_deserializer=service_pb2.AckRequest.FromString,
-                response_serializer=service_pb2.AckResponse.SerializeToString,
-            ),
-            "Nack": grpc.unary_unary_rpc_method_handler(
-                self.nack,
-                request_deserializer=service_pb2.NackRequest.FromString,
-                response_serializer=service_pb2.NackResponse.SerializeToString,
-            ),
+            "Ack": rpc.unary("Ack", s.AckRequest, self.ack),
+            "Nack": rpc.unary("Nack", s.NackRequest, self.nack),
+            "AckBatch": rpc.unary("AckBatch", s.AckBatchRequest, self.ack_batch),
+            "NackBatch": rpc.unary("NackBatch", s.NackBatchRequest, self.nack_batch),
+            "ExtendLease": rpc.unary("ExtendLease", s.ExtendLeaseRequest, self.extend_lease),
         }
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
+
+
+async def _single(outcome: tuple[list[BrokerError | None], asyncio.Future[None]]) -> None:
+    """A batch of one: raise its error, else wait for its commit."""
+    results, committed = outcome
+    if results[0] is not None:
+        raise results[0]
+    await committed
+
+
+def _enqueue_results(results: Sequence[ItemResult]) -> list[service_pb2.EnqueueResult]:
+    return [
+        service_pb2.EnqueueResult(error=batch_error(r))
+        if isinstance(r, BrokerError)
+        else service_pb2.EnqueueResult(message_id=r)
+        for r in results
+    ]
+
+
+def _settle_results(results: Sequence[BrokerError | None]) -> list[service_pb2.BatchError]:
+    return [OK if r is None else batch_error(r) for r in results]
+
+
+def _done() -> asyncio.Future[None]:
+    future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+    future.set_result(None)
+    return future

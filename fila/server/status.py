@@ -2,22 +2,19 @@
 
 Every error leaves with a status code, a message naming the offending thing,
 and the machine-readable `ErrorKind` in trailing metadata (see `fila.wire`).
+Batch items carry the same three facts in a `BatchError`.
 """
 
 from __future__ import annotations
 
-import functools
-import logging
-from collections.abc import Awaitable, Callable
-from typing import Any, NoReturn, TypeVar
+from typing import Any, NoReturn
 
 import grpc
 
 from fila.core.errors import BrokerError
-from fila.storage.store import StorageError
+from fila.storage.backend import StorageError
+from fila.v1 import service_pb2
 from fila.wire import ERROR_KIND_METADATA_KEY, ErrorKind
-
-log = logging.getLogger("fila.server")
 
 STATUS_BY_KIND: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.QUEUE_NOT_FOUND: grpc.StatusCode.NOT_FOUND,
@@ -35,31 +32,27 @@ STATUS_BY_KIND: dict[ErrorKind, grpc.StatusCode] = {
 }
 
 
-async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
+def kind_and_message(exc: Exception) -> tuple[ErrorKind, str]:
     if isinstance(exc, BrokerError):
-        kind, message = exc.kind, str(exc)
-    elif isinstance(exc, StorageError):
-        kind, message = ErrorKind.UNAVAILABLE, f"{exc}; the broker is stopping"
-    else:
-        raise exc
+        return exc.kind, str(exc)
+    if isinstance(exc, StorageError):
+        return ErrorKind.UNAVAILABLE, f"{exc}; the broker is stopping"
+    raise exc
+
+
+async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> NoReturn:
+    """Ends the call with `exc`'s status (BrokerError or StorageError; others re-raise)."""
+    kind, message = kind_and_message(exc)
     await context.abort(
         STATUS_BY_KIND[kind], message, trailing_metadata=((ERROR_KIND_METADATA_KEY, kind.value),)
     )
 
 
-Req = TypeVar("Req")
-Resp = TypeVar("Resp")
-Handler = Callable[[Any, Req, grpc.aio.ServicerContext[Any, Any]], Awaitable[Resp]]
+def batch_error(exc: Exception) -> service_pb2.BatchError:
+    kind, message = kind_and_message(exc)
+    return service_pb2.BatchError(
+        code=STATUS_BY_KIND[kind].value[0], kind=kind.value, message=message
+    )
 
 
-def unary_errors(handler: Handler[Req, Resp]) -> Handler[Req, Resp]:
-    """Turns BrokerError and StorageError raised by a unary handler into its status."""
-
-    @functools.wraps(handler)
-    async def wrapper(self: Any, request: Req, context: grpc.aio.ServicerContext[Any, Any]) -> Resp:
-        try:
-            return await handler(self, request, context)
-        except (BrokerError, StorageError) as exc:
-            await abort(context, exc)
-
-    return wrapper
+OK = service_pb2.BatchError()

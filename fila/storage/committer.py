@@ -1,4 +1,4 @@
-"""RocksDB access and the group committer every state change goes through.
+"""The group committer every state change goes through.
 
 Why one committer: an fsync costs about 0.2 ms here, and a synced RocksDB write
 through rocksdict holds the GIL for its whole duration, so syncing inside the
@@ -26,38 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import cast
-
-from rocksdict import Options, Rdict, WriteBatch, WriteOptions
 
 from fila.config import PersistMode
-from fila.storage.keys import prefix_end
+from fila.storage.backend import Storage, StorageError
 
 log = logging.getLogger("fila.storage")
-
-
-class StorageError(Exception):
-    """A write could not be made durable; the broker stops rather than diverge from disk."""
-
-
-def open_db(data_dir: Path) -> Rdict:
-    data_dir.mkdir(parents=True, exist_ok=True)
-    options = Options(raw_mode=True)
-    options.create_if_missing(True)
-    return Rdict(str(data_dir / "db"), options=options)
-
-
-def scan(db: Rdict, prefix: bytes) -> Iterator[tuple[bytes, bytes]]:
-    """Yields every (key, value) whose key starts with `prefix`, in key order."""
-    end = prefix_end(prefix)
-    for key, value in db.items(from_key=prefix):
-        raw_key = cast(bytes, key)
-        if raw_key >= end:
-            break
-        yield raw_key, cast(bytes, value)
 
 
 class Committer:
@@ -65,16 +40,14 @@ class Committer:
 
     def __init__(
         self,
-        db: Rdict,
+        storage: Storage,
         mode: PersistMode,
         on_failure: Callable[[StorageError], None],
     ) -> None:
-        self._db = db
+        self._storage = storage
         self._sync = mode == "sync"
-        self._write_options = WriteOptions()
-        self._write_options.sync = False
         self._on_failure = on_failure
-        self._batch = WriteBatch(raw_mode=True)
+        self._batch = storage.new_batch()
         self._ops = 0
         self._future: asyncio.Future[None] | None = None
         self._after: list[Callable[[], None]] = []
@@ -143,14 +116,14 @@ class Committer:
         self._scheduled = False
         batch, ops = self._batch, self._ops
         waiters = _Waiters(self._future, self._after)
-        self._batch = WriteBatch(raw_mode=True)
+        self._batch = self._storage.new_batch()
         self._ops = 0
         self._future = None
         self._after = []
         if self._failed is None and ops:
             try:
-                self._db.write(batch, self._write_options)
-            except Exception as exc:  # rocksdict raises plain Exception on I/O errors
+                self._storage.write(batch)
+            except StorageError as exc:
                 self._fail(exc)
             else:
                 self.batches_written += 1
@@ -173,20 +146,20 @@ class Committer:
         done = loop.run_in_executor(self._fsync_thread, self._fsync)
         done.add_done_callback(lambda f: self._sync_done(covered, f.result()))
 
-    def _fsync(self) -> Exception | None:
+    def _fsync(self) -> StorageError | None:
         try:
-            self._db.flush_wal(True)
-        except Exception as exc:  # rocksdict raises plain Exception on I/O errors
+            self._storage.sync()
+        except StorageError as exc:
             return exc
         return None
 
-    def _sync_done(self, covered: list[_Waiters], error: Exception | None) -> None:
+    def _sync_done(self, covered: list[_Waiters], error: StorageError | None) -> None:
         self._syncing = False
         self._finish_sync(covered, error)
         if self._unsynced and self._failed is None:
             self._start_sync()
 
-    def _finish_sync(self, covered: list[_Waiters], error: Exception | None) -> None:
+    def _finish_sync(self, covered: list[_Waiters], error: StorageError | None) -> None:
         self.syncs += 1
         if error is not None:
             self._fail(error)
@@ -200,9 +173,9 @@ class Committer:
         taken, self._unsynced = self._unsynced, []
         return taken
 
-    def _fail(self, exc: Exception) -> None:
+    def _fail(self, exc: StorageError) -> None:
         if self._failed is None:
-            self._failed = StorageError(f"storage write failed: {exc}")
+            self._failed = exc
             log.critical("storage write failed, stopping: %s", exc)
             self._on_failure(self._failed)
 

@@ -1,0 +1,151 @@
+"""How the edge registers RPCs: safe decoding, and errors mapped in one place.
+
+Every method is registered through a generic handler whose request deserializer
+never raises. A request that is not valid protobuf (or carries invalid UTF-8 in
+a string field) becomes a `BadRequest`, and the handler answers
+INVALID_ARGUMENT. Left to grpcio, a deserializer exception ends the call with
+UNKNOWN and logs a traceback of about 730 bytes per request, which any peer,
+authenticated or not, could use to flood the log; here each cause is logged at
+most once per `BadRequestLog` interval, with a count of the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from google.protobuf.message import DecodeError, Message
+
+from fila.core.errors import BrokerError, InvalidArgument
+from fila.server.status import abort
+from fila.storage.backend import StorageError
+
+log = logging.getLogger("fila.server")
+
+Context = grpc.aio.ServicerContext[Any, Any]
+Req = TypeVar("Req", bound=Message)
+Resp = TypeVar("Resp")
+
+
+class BadRequest:
+    """What a request that failed to decode becomes; see the module docstring."""
+
+    __slots__ = ("reason", "type_name")
+
+    def __init__(self, type_name: str, reason: str) -> None:
+        self.type_name = type_name
+        self.reason = reason
+
+    def error(self) -> InvalidArgument:
+        return InvalidArgument(f"request is not a valid fila.v1.{self.type_name}: {self.reason}")
+
+
+class BadRequestLog:
+    """Logs each cause of undecodable requests at most once per interval."""
+
+    def __init__(self, interval_s: float = 60.0) -> None:
+        self._interval_s = interval_s
+        self._last: dict[str, tuple[float, int]] = {}
+
+    def note(self, method: str, bad: BadRequest) -> None:
+        cause = f"{method}: {bad.reason}"
+        now = time.monotonic()
+        last, suppressed = self._last.get(cause, (-self._interval_s, 0))
+        if now - last < self._interval_s:
+            self._last[cause] = (last, suppressed + 1)
+            return
+        if len(self._last) > 1000:
+            self._last.clear()
+        self._last[cause] = (now, 0)
+        log.warning(
+            "refused undecodable request method=%s reason=%s suppressed_since_last=%d",
+            method,
+            bad.reason[:200],
+            suppressed,
+        )
+
+
+BAD_REQUESTS = BadRequestLog()
+
+
+def parser(cls: type[Req]) -> Callable[[bytes], Req | BadRequest]:
+    name = cls.__name__
+
+    def parse(raw: bytes) -> Req | BadRequest:
+        try:
+            return cls.FromString(raw)
+        except (DecodeError, UnicodeDecodeError, ValueError) as exc:
+            return BadRequest(name, str(exc).splitlines()[0][:200] or type(exc).__name__)
+
+    return parse
+
+
+def serializer(message: Message) -> bytes:
+    return message.SerializeToString()
+
+
+def identity(frame: bytes) -> bytes:
+    return frame
+
+
+async def checked(request: Req | BadRequest, method: str, context: Context) -> Req:
+    """`request`, or the call ends with INVALID_ARGUMENT if it did not decode."""
+    if isinstance(request, BadRequest):
+        BAD_REQUESTS.note(method, request)
+        await abort(context, request.error())
+    return request
+
+
+def unary(
+    method: str,
+    cls: type[Req],
+    behavior: Callable[[Req, Context], Awaitable[Resp]],
+) -> grpc.RpcMethodHandler[Any, Any]:
+    async def handle(request: Req | BadRequest, context: Context) -> Resp:
+        try:
+            return await behavior(await checked(request, method, context), context)
+        except (BrokerError, StorageError) as exc:
+            await abort(context, exc)
+
+    return grpc.unary_unary_rpc_method_handler(
+        handle, request_deserializer=parser(cls), response_serializer=serializer
+    )
+
+
+def server_stream(
+    method: str,
+    cls: type[Req],
+    behavior: Callable[[Req, Context], Awaitable[None]],
+) -> grpc.RpcMethodHandler[Any, Any]:
+    async def handle(request: Req | BadRequest, context: Context) -> None:
+        try:
+            await behavior(await checked(request, method, context), context)
+        except (BrokerError, StorageError) as exc:
+            await abort(context, exc)
+
+    return grpc.unary_stream_rpc_method_handler(
+        handle, request_deserializer=parser(cls), response_serializer=identity
+    )
+
+
+def bidi_stream(
+    method: str,
+    cls: type[Req],
+    behavior: Callable[[AsyncIterator[Req | BadRequest], Context], Awaitable[None]],
+    *,
+    raw_responses: bool = False,
+) -> grpc.RpcMethodHandler[Any, Any]:
+    async def handle(requests: AsyncIterator[Req | BadRequest], context: Context) -> None:
+        try:
+            await behavior(requests, context)
+        except (BrokerError, StorageError) as exc:
+            await abort(context, exc)
+
+    return grpc.stream_stream_rpc_method_handler(
+        handle,
+        request_deserializer=parser(cls),
+        response_serializer=identity if raw_responses else serializer,
+    )

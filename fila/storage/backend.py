@@ -1,0 +1,280 @@
+"""The key-value store under the broker, behind the small interface the core depends on.
+
+The broker needs five things from storage: read one key, scan a key prefix in
+order, apply a batch of puts and deletes atomically, make everything applied so
+far durable, and close. `Storage` names exactly that. `RocksStorage` is the
+production engine; `MemoryStorage` keeps the same contract in a dict so the core
+can be exercised in-process, deterministically, without a server or a disk.
+
+Corruption is never silent. RocksDB verifies block checksums on every read (and
+`paranoid_checks` at open), but rocksdict's plain iteration simply *stops* at a
+bad block: a scan that ends early looks exactly like a scan that reached the
+end, and recovery would then rebuild a broker with messages missing. So every
+scan here drives the raw iterator and checks its status at the end, raising
+`CorruptionError`. The WAL is replayed with `tolerate_corrupted_tail_records`:
+a record torn by a power loss at the very end of the log is dropped (it was
+never acknowledged), but damage anywhere else refuses to open instead of
+truncating the log there, which would silently drop acknowledged writes.
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Protocol, cast
+
+from rocksdict import (
+    DBRecoveryMode,
+    Options,
+    Rdict,
+    ReadOptions,
+    WriteBatch,
+    WriteOptions,
+)
+
+from fila.storage.keys import prefix_end
+
+
+class StorageError(Exception):
+    """A write or sync failed; the broker stops rather than diverge from its disk."""
+
+
+class CorruptionError(StorageError):
+    """Stored data failed a checksum or could not be read back."""
+
+
+class DataDirInUse(StorageError):
+    """Another process (another broker) holds the data directory's lock."""
+
+
+class Batch(Protocol):
+    def put(self, key: bytes, value: bytes) -> None: ...
+
+    def delete(self, key: bytes) -> None: ...
+
+
+class Storage(Protocol):
+    """What the broker needs from a key-value store; see the module docstring."""
+
+    def get(self, key: bytes) -> bytes | None: ...
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """Every (key, value) with `prefix`, in key order, from `start` (inclusive) if given.
+        Raises CorruptionError if the scan could not read everything."""
+        ...
+
+    def new_batch(self) -> Batch: ...
+
+    def write(self, batch: Batch) -> None:
+        """Applies `batch` atomically, without waiting for the disk."""
+        ...
+
+    def sync(self) -> None:
+        """Makes every write so far durable. May run on another thread."""
+        ...
+
+    def close(self) -> None: ...
+
+
+# RocksDB's own messages name the file; keep them, they tell the operator where to look.
+_LOCK_HELD = re.compile(r"lock", re.IGNORECASE)
+
+
+class RocksStorage:
+    """RocksDB through rocksdict, with checksums enforced and scans that report damage."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.path = data_dir / "db"
+        data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._db = Rdict(str(self.path), options=rocks_options())
+        except Exception as exc:  # rocksdict raises plain Exception for every open failure
+            raise _open_error(self.path, exc) from None
+        read = ReadOptions()
+        read.set_verify_checksums(True)
+        self._read_options = read
+        self._db.set_read_options(read)
+        self._write_options = WriteOptions()
+        self._write_options.sync = False
+
+    def get(self, key: bytes) -> bytes | None:
+        try:
+            return cast(bytes | None, self._db.get(key))
+        except Exception as exc:  # a checksum mismatch surfaces as a plain Exception
+            raise CorruptionError(f"reading key {key[:1]!r}...: {exc}") from None
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        end = prefix_end(prefix)
+        it = self._db.iter(self._read_options)
+        it.seek(start if start is not None and start > prefix else prefix)
+        while it.valid():
+            key = cast(bytes, it.key())
+            if key >= end:
+                return
+            yield key, cast(bytes, it.value())
+            it.next()
+        try:
+            it.status()
+        except Exception as exc:  # the iterator stopped on an error, not at the end
+            raise CorruptionError(f"scanning {prefix!r} records: {exc}") from None
+
+    def new_batch(self) -> Batch:
+        return cast(Batch, WriteBatch(raw_mode=True))
+
+    def write(self, batch: Batch) -> None:
+        try:
+            self._db.write(cast(WriteBatch, batch), self._write_options)
+        except Exception as exc:  # rocksdict raises plain Exception on I/O errors
+            raise StorageError(f"write failed: {exc}") from None
+
+    def sync(self) -> None:
+        """fsyncs the WAL; `flush_wal(True)` releases the GIL while the disk works."""
+        try:
+            self._db.flush_wal(True)
+        except Exception as exc:  # rocksdict raises plain Exception on I/O errors
+            raise StorageError(f"WAL sync failed: {exc}") from None
+
+    def property_int(self, name: str) -> int | None:
+        value = self._db.property_int_value(name)
+        return None if value is None else int(value)
+
+    def close(self) -> None:
+        self._db.close()
+
+
+def rocks_options() -> Options:
+    """The engine settings, in one place (see docs/operations.md for the reasons).
+
+    - `paranoid_checks`: verify what RocksDB reads at open instead of trusting it.
+    - WAL recovery refuses damage before the tail (see the module docstring).
+    - Background flushes and compactions get their own threads (2 jobs) and a
+      rate limit, so a compaction neither stalls writes nor starves the event loop's
+      core of disk bandwidth in a burst.
+    - A 64 MiB memtable and a larger level-0 slowdown trigger keep write stalls away
+      under a sustained burst.
+    """
+    options = Options(raw_mode=True)
+    options.create_if_missing(True)
+    options.set_paranoid_checks(True)
+    options.set_wal_recovery_mode(DBRecoveryMode.tolerate_corrupted_tail_records())
+    options.set_max_background_jobs(2)
+    options.set_write_buffer_size(64 * 1024 * 1024)
+    options.set_max_write_buffer_number(4)
+    options.set_level_zero_slowdown_writes_trigger(30)
+    options.set_level_zero_stop_writes_trigger(48)
+    options.set_bytes_per_sync(1024 * 1024)
+    options.set_ratelimiter(64 * 1024 * 1024, 100_000, 10)
+    # The broker holds at most a few hundred files open; never let RocksDB take every
+    # descriptor the process has (see fila.server.limits).
+    options.set_max_open_files(512)
+    return options
+
+
+def _open_error(path: Path, exc: Exception) -> StorageError:
+    text = str(exc)
+    if (
+        "LOCK" in text
+        and _LOCK_HELD.search(text)
+        and ("temporarily unavailable" in text or "lock hold" in text.lower())
+    ):
+        return DataDirInUse(
+            f"data directory {path.parent} is in use by another fila-server "
+            "(its LOCK file is held); stop that broker or choose another data_dir"
+        )
+    if "Corruption" in text or "checksum" in text.lower():
+        return CorruptionError(
+            f"data in {path} is damaged: {text}. The broker refuses to start rather than "
+            f"lose acknowledged messages; see `fila-server --repair` in docs/operations.md"
+        )
+    if isinstance(exc, OSError) and exc.errno == errno.EACCES:
+        return StorageError(f"cannot open {path}: permission denied")
+    return StorageError(f"cannot open {path}: {text}")
+
+
+def repair(data_dir: Path) -> None:
+    """RocksDB's repair: rebuilds the database from every file it can still read.
+
+    What sat in unreadable blocks is lost, and a delete whose tombstone was lost can
+    come back (an acknowledged message delivered again); the broker then starts on
+    what remains. For an operator who chose that over not starting at all."""
+    Rdict.repair(str(data_dir / "db"), rocks_options())
+
+
+class _MemoryBatch:
+    __slots__ = ("ops",)
+
+    def __init__(self) -> None:
+        self.ops: list[tuple[bytes, bytes | None]] = []
+
+    def put(self, key: bytes, value: bytes) -> None:
+        self.ops.append((key, value))
+
+    def delete(self, key: bytes) -> None:
+        self.ops.append((key, None))
+
+
+class MemoryStorage:
+    """`Storage` in a dict: the same contract, for fast in-process tests of the core.
+
+    `sync_count` counts syncs so a test can see that an answer waited for one.
+    """
+
+    def __init__(self) -> None:
+        self._data: dict[bytes, bytes] = {}
+        self._sorted: list[bytes] | None = []
+        self.sync_count = 0
+        self.writes = 0
+
+    def get(self, key: bytes) -> bytes | None:
+        return self._data.get(key)
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        if self._sorted is None:
+            self._sorted = sorted(self._data)
+        keys = self._sorted
+        end = prefix_end(prefix)
+        i = bisect.bisect_left(keys, start if start is not None and start > prefix else prefix)
+        snapshot = keys[i : bisect.bisect_left(keys, end)]
+        for key in snapshot:
+            value = self._data.get(key)
+            if value is not None:
+                yield key, value
+
+    def new_batch(self) -> Batch:
+        return _MemoryBatch()
+
+    def write(self, batch: Batch) -> None:
+        assert isinstance(batch, _MemoryBatch)
+        for key, value in batch.ops:
+            if value is None:
+                if self._data.pop(key, None) is not None:
+                    self._sorted = None
+            else:
+                if key not in self._data:
+                    self._sorted = None
+                self._data[key] = value
+        self.writes += 1
+
+    def sync(self) -> None:
+        self.sync_count += 1
+
+    def close(self) -> None:
+        pass
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+
+__all__ = [
+    "Batch",
+    "CorruptionError",
+    "DataDirInUse",
+    "MemoryStorage",
+    "RocksStorage",
+    "Storage",
+    "StorageError",
+    "repair",
+]
