@@ -255,3 +255,108 @@ class ConsumeStream:
 
     def __exit__(self, *exc: object) -> None:
         self.cancel()
+
+
+# ------------------------------------------------------------- batch-path streams
+
+
+class StreamConsumer:
+    """One `StreamConsume` call: deliveries read by a thread, settlements sent on demand.
+
+    `frames` keeps every non-keepalive frame as received (so a test can check frame
+    shapes); `get()` returns messages one at a time with a deadline. `ack(ids)` and
+    `nack(id, error)` write a settlement request on the same stream.
+    """
+
+    def __init__(
+        self,
+        svc: service_pb2_grpc.FilaServiceStub,
+        queue_name: str,
+        *,
+        max_batch: int = 0,
+        prefetch: int = 0,
+        read: bool = True,
+    ) -> None:
+        self.queue_name = queue_name
+        self._requests: queue.Queue[Any] = queue.Queue()
+        self._requests.put(
+            service_pb2.StreamConsumeRequest(
+                queue=queue_name, max_batch=max_batch, prefetch=prefetch
+            )
+        )
+        self.call = svc.StreamConsume(self._request_iter())
+        self.frames: list[service_pb2.ConsumeResponse] = []
+        self.error: grpc.RpcError | None = None
+        self._inbox: queue.Queue[Any] = queue.Queue()
+        self._read_allowed = threading.Event()
+        if read:
+            self._read_allowed.set()
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _request_iter(self) -> Iterator[service_pb2.StreamConsumeRequest]:
+        while (item := self._requests.get()) is not _END:
+            yield item
+
+    def _read(self) -> None:
+        try:
+            for frame in self.call:
+                self._read_allowed.wait()
+                if not frame.messages and not frame.HasField("message"):
+                    continue
+                self.frames.append(frame)
+                for message in frame.messages or [frame.message]:
+                    self._inbox.put(message)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.CANCELLED:
+                self.error = exc
+        finally:
+            self._inbox.put(_END)
+
+    def get(self, timeout: float = 5.0) -> messages_pb2.Message:
+        try:
+            item = self._inbox.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no message on {self.queue_name!r} within {timeout}s") from None
+        if item is _END:
+            self._inbox.put(_END)
+            raise StreamEnded(self.error)
+        message: messages_pb2.Message = item
+        return message
+
+    def take(self, count: int, timeout: float = 10.0) -> list[messages_pb2.Message]:
+        deadline = time.monotonic() + timeout
+        return [self.get(max(0.0, deadline - time.monotonic())) for _ in range(count)]
+
+    def ack(self, ids: list[str]) -> None:
+        self._requests.put(service_pb2.StreamConsumeRequest(ack_ids=ids))
+
+    def nack(self, message_id: str, error: str = "") -> None:
+        nack = service_pb2.NackRequest(message_id=message_id, error=error)
+        self._requests.put(service_pb2.StreamConsumeRequest(nacks=[nack]))
+
+    def allow_reading(self) -> None:
+        self._read_allowed.set()
+
+    def ended(self, timeout: float) -> StreamEnded:
+        try:
+            message = self.get(timeout)
+        except StreamEnded as end:
+            return end
+        raise AssertionError(f"expected the stream to end, got message {message.id}")
+
+    def close(self) -> None:
+        """Half-closes the request side: the broker ends the stream."""
+        self._requests.put(_END)
+
+    def cancel(self) -> None:
+        self.call.cancel()  # type: ignore[no-untyped-call]
+        self._requests.put(_END)
+        self._read_allowed.set()
+        self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> StreamConsumer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.cancel()
