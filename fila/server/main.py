@@ -34,8 +34,9 @@ from fila.core.recovery import recover
 from fila.server import admin, service
 from fila.server.auth import AuthInterceptor, BootstrapKey
 from fila.server.limits import connection_cap, raise_open_files_limit
-from fila.storage.backend import CorruptionError, RocksStorage, StorageError, repair
+from fila.storage.backend import CorruptionError, RocksStorage, StorageError
 from fila.storage.committer import Committer
+from fila.storage.salvage import salvage
 
 log = logging.getLogger("fila.server")
 
@@ -301,26 +302,24 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _repair(data_dir: Path) -> int:
+    """Salvages a damaged data directory (see `fila.storage.salvage`) and reports."""
+    if not (data_dir / "db").exists():
+        return _fail(f"{data_dir} holds no database to repair", ExitCode.STARTUP_FAILED)
     try:
-        repair(data_dir)
-        storage = RocksStorage(data_dir)
+        report = salvage(data_dir)
     except Exception as exc:  # rocksdict raises plain Exception; report it as it is
         return _fail(f"repair of {data_dir} failed: {exc}", ExitCode.DATA_DAMAGED)
-    try:
-        from fila.storage import keys
-
-        counts = {
-            name: sum(1 for _ in storage.scan(prefix))
-            for name, prefix in (("queues", keys.QUEUE), ("messages", keys.MESSAGE))
-        }
-    except CorruptionError as exc:
-        return _fail(f"{data_dir} is still damaged after repair: {exc}", ExitCode.DATA_DAMAGED)
-    finally:
-        storage.close()
+    kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(report.by_kind.items()))
     print(
-        f"fila-server: repaired {data_dir}: {counts['queues']} queue records and "
-        f"{counts['messages']} messages are readable; start the broker normally"
+        f"fila-server: repaired {data_dir}: kept {report.copied} records ({kinds or 'none'}); "
+        f"{len(report.damaged_regions)} damaged region(s) skipped"
+        + (", database rebuilt by RocksDB first" if report.rebuilt_by_rocksdb else "")
+        + f"; the damaged copy is kept at {report.kept_at}. Start the broker normally; "
+        "messages of a queue whose record was lost come back when that queue is "
+        "created again and the broker restarted."
     )
+    for start, end in report.damaged_regions:
+        print(f"fila-server: skipped unreadable keys after {start or '(start)'} up to {end}")
     return ExitCode.OK
 
 

@@ -194,15 +194,6 @@ def _open_error(path: Path, exc: Exception) -> StorageError:
     return StorageError(f"cannot open {path}: {text}")
 
 
-def repair(data_dir: Path) -> None:
-    """RocksDB's repair: rebuilds the database from every file it can still read.
-
-    What sat in unreadable blocks is lost, and a delete whose tombstone was lost can
-    come back (an acknowledged message delivered again); the broker then starts on
-    what remains. For an operator who chose that over not starting at all."""
-    Rdict.repair(str(data_dir / "db"), rocks_options())
-
-
 class _MemoryBatch:
     __slots__ = ("ops",)
 
@@ -276,5 +267,4 @@ __all__ = [
     "RocksStorage",
     "Storage",
     "StorageError",
-    "repair",
 ]
