@@ -89,8 +89,8 @@ class SchedulerSection:
     quantum: Positive = 1
     consumer_buffer: Positive = 16
     max_prefetch: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 10_000
-    stream_buffer_bytes: Annotated[int, AtLeast(1024)] = 8 * MiB
-    total_buffer_bytes: Annotated[int, AtLeast(1024)] = 256 * MiB
+    stream_buffer_bytes: Annotated[int, AtLeast(1024)] = 2 * MiB
+    total_buffer_bytes: Annotated[int, AtLeast(1024)] = 64 * MiB
     keepalive_ms: Positive = 15000
 
 

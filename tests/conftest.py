@@ -17,7 +17,7 @@ from fila.server.process import ServerProcess
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
-    """`make(config_toml=..., env=..., persist_mode=..., start=True)` -> ServerProcess.
+    """`make(config_toml=, env=, persist_mode=, start=True, wrapper=)` -> ServerProcess.
 
     Each call gets its own directory under `tmp_path` (config, log and `data/`);
     everything made is stopped at teardown, even if a test killed or restarted it.
@@ -31,11 +31,16 @@ def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:
         persist_mode: str | None = None,
         start: bool = True,
         timeout: float = 20.0,
+        wrapper: list[str] | None = None,
     ) -> ServerProcess:
         root = tmp_path / f"server{len(made)}"
         root.mkdir()
         proc = ServerProcess(
-            root / "data", config_toml=config_toml, env=env, persist_mode=persist_mode
+            root / "data",
+            config_toml=config_toml,
+            env=env,
+            persist_mode=persist_mode,
+            wrapper=wrapper,
         )
         made.append(proc)
         return proc.start(timeout) if start else proc

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -114,3 +115,136 @@ def test_harness_reports_a_server_that_dies_at_startup(server_factory: ServerFac
     with pytest.raises(RuntimeError, match=r"exited with code .* before serving"):
         srv.start(timeout=STARTUP_LIMIT_S)
     assert '"server.foo"' in srv.log_text()
+
+
+# -- every startup failure: one line, the documented exit code, no traceback -------------
+
+STARTUP_FAILED, BAD_CONFIG, STORAGE_FAILED = 1, 2, 3
+
+
+def _one_line(done: subprocess.CompletedProcess[str], code: int) -> str:
+    assert done.returncode == code, done.stderr
+    assert "Traceback" not in done.stderr
+    lines = [line for line in done.stderr.splitlines() if line.startswith("fila-server:")]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def _openssl(cwd: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+def _tls_config(tmp_path: Path, cert: Path, key: Path, ca: Path | None = None) -> Path:
+    lines = ["[tls]", f'cert_file = "{cert}"', f'key_file = "{key}"']
+    if ca is not None:
+        lines.append(f'ca_file = "{ca}"')
+    path = tmp_path / f"tls-{cert.stem}-{key.stem}-{ca.stem if ca else ''}.toml"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.mark.skipif(not shutil.which("openssl"), reason="openssl not installed")
+def test_bad_tls_files_are_named_with_the_reason(tmp_path: Path) -> None:
+    for name in ("a", "b"):
+        _openssl(
+            tmp_path, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-subj", "/CN=127.0.0.1", "-keyout", f"{name}.key", "-out", f"{name}.crt",
+        )  # fmt: skip
+    garbage = tmp_path / "garbage.crt"
+    garbage.write_text("-----BEGIN CERTIFICATE-----\nnot base64\n", encoding="utf-8")
+    cases = [
+        (_tls_config(tmp_path, tmp_path / "a.crt", tmp_path / "b.key"), "a.crt"),
+        (_tls_config(tmp_path, garbage, tmp_path / "a.key"), "garbage.crt"),
+        (_tls_config(tmp_path, tmp_path / "missing.crt", tmp_path / "a.key"), "missing.crt"),
+        (_tls_config(tmp_path, tmp_path / "a.crt", tmp_path / "a.key", garbage), "garbage.crt"),
+    ]
+    for config, named in cases:
+        line = _one_line(_run_server(tmp_path, "--config", str(config))[0], STARTUP_FAILED)
+        assert named in line
+        assert "bind" not in line
+
+
+def test_limits_beyond_what_grpc_can_carry_are_config_errors(tmp_path: Path) -> None:
+    config = tmp_path / "huge.toml"
+    config.write_text("[server]\nmax_message_bytes = 1073741824\n", encoding="utf-8")
+    line = _one_line(_run_server(tmp_path, "--config", str(config))[0], BAD_CONFIG)
+    assert '"server.max_message_bytes"' in line
+    config.write_text(
+        "[server]\nmax_message_bytes = 20000000\nmax_request_bytes = 16777216\n", encoding="utf-8"
+    )
+    line = _one_line(_run_server(tmp_path, "--config", str(config))[0], BAD_CONFIG)
+    assert '"server.max_request_bytes"' in line
+
+
+def test_a_bad_log_level_is_a_config_error(tmp_path: Path) -> None:
+    done, _ = _run_server(tmp_path, env={"FILA_LOG_LEVEL": "verbose"})
+    assert "FILA_LOG_LEVEL" in _one_line(done, BAD_CONFIG)
+
+
+def test_check_config_validates_and_exits(tmp_path: Path) -> None:
+    good = tmp_path / "good.toml"
+    good.write_text("[scheduler]\nquantum = 3\n", encoding="utf-8")
+    done, _ = _run_server(tmp_path, "--check-config", "--config", str(good))
+    assert done.returncode == 0
+    assert "configuration OK" in done.stdout
+    assert not (tmp_path / "data").exists()  # nothing opened or created
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[scheduler]\nquantum = 0\n", encoding="utf-8")
+    done, _ = _run_server(tmp_path, "--check-config", "--config", str(bad))
+    assert '"scheduler.quantum"' in _one_line(done, BAD_CONFIG)
+
+
+def test_a_data_directory_in_use_says_so(server_factory: ServerFactory, tmp_path: Path) -> None:
+    running = server_factory()
+    done, _ = _run_server(
+        tmp_path, env={"FILA_DATA_DIR": str(running.data_dir), "FILA_LISTEN_ADDR": "127.0.0.1:0"}
+    )
+    line = _one_line(done, STARTUP_FAILED)
+    assert "in use by another fila-server" in line
+    assert str(running.data_dir) in line
+
+
+def test_a_storage_failure_while_serving_exits_3_without_a_traceback(
+    server_factory: ServerFactory, tmp_path: Path
+) -> None:
+    """A full disk: the data directory is a 40 MiB tmpfs (needs root and mount)."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount)],
+        capture_output=True,
+        check=False,
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        server = server_factory(start=False, persist_mode="sync")
+        server.data_dir = mount / "data"
+        server._env["FILA_DATA_DIR"] = str(server.data_dir)
+        server.start()
+        with grpc.insecure_channel(server.addr) as channel:
+            from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
+
+            admin_pb2_grpc.FilaAdminStub(channel).CreateQueue(
+                admin_pb2.CreateQueueRequest(name="q"), timeout=10
+            )
+            enqueue = service_pb2_grpc.FilaServiceStub(channel).Enqueue
+            codes = set()
+            for _ in range(100):
+                try:
+                    enqueue(
+                        service_pb2.EnqueueRequest(queue="q", payload=bytes(1 << 20)), timeout=10
+                    )
+                except grpc.RpcError as exc:
+                    codes.add(exc.code())
+                    break
+        assert codes <= {grpc.StatusCode.UNAVAILABLE}
+        deadline = time.monotonic() + 20
+        while server.running and time.monotonic() < deadline:
+            time.sleep(0.05)  # bounded wait for the broker to stop by itself
+        assert server.stop() == STORAGE_FAILED
+        log = server.log_text()
+        assert "Traceback" not in log
+        assert "stopped because storage failed" in log
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

@@ -34,8 +34,10 @@ def raise_open_files_limit() -> int:
 
 
 def connection_cap(configured: int, open_files: int) -> int:
-    """`server.max_connections`, lowered so storage keeps its reserve of descriptors."""
-    available = max(16, open_files - STORAGE_RESERVE_FDS)
+    """`server.max_connections`, lowered so storage keeps its reserve of descriptors
+    (half of them when the limit is small)."""
+    reserve = min(STORAGE_RESERVE_FDS, open_files // 2)
+    available = max(16, open_files - reserve)
     if configured > available:
         log.warning(
             "server.max_connections=%d lowered to %d: the open-files limit is %d and %d "
@@ -43,7 +45,7 @@ def connection_cap(configured: int, open_files: int) -> int:
             configured,
             available,
             open_files,
-            STORAGE_RESERVE_FDS,
+            reserve,
         )
         return available
     return configured

@@ -57,6 +57,7 @@ class ServerProcess:
     `env` adds to (and may override) the child's environment, from which inherited
     `FILA_*` variables are removed so the caller's shell cannot leak into a test.
     `channel_credentials` are used for the readiness check when the config enables TLS.
+    `wrapper` is an argv prefix the broker runs under (e.g. `strace -f -o FILE`).
     """
 
     def __init__(
@@ -67,12 +68,14 @@ class ServerProcess:
         env: dict[str, str] | None = None,
         persist_mode: str | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
+        wrapper: list[str] | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.port = free_port()
         self.log_path = self.data_dir.parent / "fila-server.log"
         self.config_path: Path | None = None
         self._credentials = channel_credentials
+        self._wrapper = wrapper or []
         self._proc: subprocess.Popen[bytes] | None = None
         self._starts = 0
         if persist_mode is not None:
@@ -115,7 +118,7 @@ class ServerProcess:
         if self.running:
             raise RuntimeError(f"fila-server already running (pid {self.pid})")
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        argv = [sys.executable, "-m", "fila.server.main"]
+        argv = [*self._wrapper, sys.executable, "-m", "fila.server.main"]
         if self.config_path is not None and self._config_toml is not None:
             self.config_path.write_text(self._config_toml, encoding="utf-8")
             argv += ["--config", str(self.config_path)]

@@ -142,7 +142,10 @@ class RocksStorage:
         return None if value is None else int(value)
 
     def close(self) -> None:
-        self._db.close()
+        try:
+            self._db.close()
+        except Exception as exc:  # e.g. the write error that stopped the broker, again
+            raise StorageError(f"closing the database: {exc}") from None
 
 
 def rocks_options() -> Options:

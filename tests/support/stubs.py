@@ -82,8 +82,10 @@ class Fila:
     def delete_queue(self, name: str) -> None:
         self.admin.DeleteQueue(admin_pb2.DeleteQueueRequest(queue=name), timeout=RPC_TIMEOUT_S)
 
-    def consume(self, queue_name: str, *, read_limit: int | None = None) -> ConsumeStream:
-        return ConsumeStream(self.svc, queue_name, read_limit=read_limit)
+    def consume(
+        self, queue_name: str, *, read_limit: int | None = None, prefetch: int = 0
+    ) -> ConsumeStream:
+        return ConsumeStream(self.svc, queue_name, read_limit=read_limit, prefetch=prefetch)
 
 
 @contextmanager
@@ -151,10 +153,11 @@ class ConsumeStream:
         queue_name: str,
         *,
         read_limit: int | None = None,
+        prefetch: int = 0,
     ) -> None:
         self.queue_name = queue_name
         self._svc = svc
-        self.call = svc.Consume(service_pb2.ConsumeRequest(queue=queue_name))
+        self.call = svc.Consume(service_pb2.ConsumeRequest(queue=queue_name, prefetch=prefetch))
         self.keepalives = 0
         self.frames: list[service_pb2.ConsumeResponse] = []
         self.error: grpc.RpcError | None = None
