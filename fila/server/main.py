@@ -41,7 +41,6 @@ from fila.storage.salvage import salvage
 log = logging.getLogger("fila.server")
 
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
-MAX_STREAMS_PER_CONNECTION = 256
 
 
 class ExitCode(IntEnum):
@@ -72,8 +71,6 @@ def server_options(config: Config, max_connections: int) -> list[tuple[str, int]
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", server.handshake_timeout_ms),
         ("grpc.max_connection_idle_ms", server.idle_connection_timeout_ms),
-        # Bounds what one connection can make the broker hold before anything is read.
-        ("grpc.max_concurrent_streams", MAX_STREAMS_PER_CONNECTION),
         # Detect consumers that vanished without closing their connection.
         ("grpc.keepalive_time_ms", 30_000),
         ("grpc.keepalive_timeout_ms", 10_000),
