@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from google.protobuf.message import DecodeError, Message
@@ -91,11 +91,16 @@ def identity(frame: bytes) -> bytes:
     return frame
 
 
+async def refuse(request: BadRequest, method: str, context: Context) -> NoReturn:
+    """Ends the call with INVALID_ARGUMENT for a request that did not decode."""
+    BAD_REQUESTS.note(method, request)
+    await abort(context, request.error())
+
+
 async def checked(request: Req | BadRequest, method: str, context: Context) -> Req:
     """`request`, or the call ends with INVALID_ARGUMENT if it did not decode."""
     if isinstance(request, BadRequest):
-        BAD_REQUESTS.note(method, request)
-        await abort(context, request.error())
+        await refuse(request, method, context)
     return request
 
 
@@ -105,8 +110,10 @@ def unary(
     behavior: Callable[[Req, Context], Awaitable[Resp]],
 ) -> grpc.RpcMethodHandler[Any, Any]:
     async def handle(request: Req | BadRequest, context: Context) -> Resp:
+        if isinstance(request, BadRequest):
+            await refuse(request, method, context)
         try:
-            return await behavior(await checked(request, method, context), context)
+            return await behavior(request, context)
         except (BrokerError, StorageError) as exc:
             await abort(context, exc)
 
@@ -121,8 +128,10 @@ def server_stream(
     behavior: Callable[[Req, Context], Awaitable[None]],
 ) -> grpc.RpcMethodHandler[Any, Any]:
     async def handle(request: Req | BadRequest, context: Context) -> None:
+        if isinstance(request, BadRequest):
+            await refuse(request, method, context)
         try:
-            await behavior(await checked(request, method, context), context)
+            await behavior(request, context)
         except (BrokerError, StorageError) as exc:
             await abort(context, exc)
 

@@ -86,7 +86,8 @@ class FilaService:
         writer = asyncio.create_task(write_answers())
         try:
             async for request in requests:
-                request = await rpc.checked(request, "StreamEnqueue", context)
+                if isinstance(request, BadRequest):
+                    await rpc.refuse(request, "StreamEnqueue", context)
                 try:
                     self._check_batch_size(len(request.messages), "messages", allow_empty=True)
                     results, committed = broker.enqueue(request.messages)
