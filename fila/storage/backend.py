@@ -28,6 +28,7 @@ from typing import Protocol, cast
 
 from rocksdict import (
     DBRecoveryMode,
+    Env,
     Options,
     Rdict,
     ReadOptions,
@@ -153,9 +154,9 @@ def rocks_options() -> Options:
 
     - `paranoid_checks`: verify what RocksDB reads at open instead of trusting it.
     - WAL recovery refuses damage before the tail (see the module docstring).
-    - Background flushes and compactions get their own threads (2 jobs) and a
-      rate limit, so a compaction neither stalls writes nor starves the event loop's
-      core of disk bandwidth in a burst.
+    - Background flushes and compactions get their own threads (2 jobs), a rate
+      limit, and the lowest CPU and I/O priority, so a compaction neither stalls
+      writes nor takes the event loop's core or disk bandwidth in a burst.
     - A 64 MiB memtable and a larger level-0 slowdown trigger keep write stalls away
       under a sustained burst.
     """
@@ -170,10 +171,23 @@ def rocks_options() -> Options:
     options.set_level_zero_stop_writes_trigger(48)
     options.set_bytes_per_sync(1024 * 1024)
     options.set_ratelimiter(64 * 1024 * 1024, 100_000, 10)
+    options.set_env(_background_env())
     # The broker holds at most a few hundred files open; never let RocksDB take every
     # descriptor the process has (see fila.server.limits).
     options.set_max_open_files(512)
     return options
+
+
+def _background_env() -> Env:
+    """RocksDB's background threads at the lowest CPU and I/O priority.
+
+    On a small machine a compaction thread competes with the event loop for a core;
+    flushes and compactions can wait a little, a probe's answer should not."""
+    env = Env()
+    env.lower_thread_pool_cpu_priority()
+    env.lower_thread_pool_io_priority()
+    env.lower_high_priority_thread_pool_io_priority()
+    return env
 
 
 def _open_error(path: Path, exc: Exception) -> StorageError:
