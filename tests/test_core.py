@@ -314,3 +314,31 @@ def test_the_breaker_bypasses_a_failing_hook_for_its_cooldown() -> None:
     assert counters.bypassed == 1
     clock.advance(1000)
     assert hooks.on_enqueue({}, 0).fairness_key == "ok"  # closed again
+
+
+def test_a_throttle_wake_returns_only_the_keys_that_are_due() -> None:
+    async def scenario() -> None:
+        core = make_core()
+        core.broker.admin.create_queue(
+            "q",
+            "function on_enqueue(m) return { fairness_key = m.headers.k, "
+            "throttle_keys = { m.headers.k } } end",
+            "",
+            0,
+        )
+        for i in range(100):
+            rate = "10,1" if i % 2 == 0 else "1,1"
+            await core.broker.admin.set_config(f"throttle.k{i}", rate)
+            await core.enqueue("q", 2, headers={"k": f"k{i}"})
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=1000, max_batch=1000)
+        await core.settle()
+        assert len(core.take(consumer)) == 100  # one per key, then every key is parked
+        queue = core.broker.queues["q"]
+        assert len(queue.throttle_wakes) == 100
+        await core.advance(102)  # the 10/s keys have a token again; the 1/s ones do not
+        assert len(core.take(consumer)) == 50
+        assert len(queue.throttle_wakes) == 50
+        await core.advance(900)
+        assert len(core.take(consumer)) == 50
+
+    run(scenario)

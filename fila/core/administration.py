@@ -193,6 +193,7 @@ class Administration:
         else:
             self.broker.throttles.configure(change.key, change.rate, change.burst)
         for queue in self.broker.queues.values():
+            queue.throttle_wakes.clear()
             if queue.drr.unpark_all():
                 self.broker.mark_dirty(queue)
 

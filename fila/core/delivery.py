@@ -11,19 +11,23 @@ returns the frame to write.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 from typing import TYPE_CHECKING
 
 from fila.core.consumers import Consumer
+from fila.core.drr import FairnessKey
 from fila.core.errors import Unavailable
 from fila.core.frames import batch_frame, single_frame
-from fila.core.records import MessageRef
 
 if TYPE_CHECKING:
     from fila.core.broker import Broker
     from fila.core.queue import Queue
 
 log = logging.getLogger("fila.broker")
+
+_wake_seq = itertools.count()
 
 
 class Delivery:
@@ -131,31 +135,51 @@ class Delivery:
             ring.served(consumer)
             queue.count_delivery(ref.fairness_key)
         if drr.newly_parked:
-            self._schedule_throttle_wake(queue, drr.take_newly_parked_heads())
+            self._schedule_throttle_wake(queue, drr.take_newly_parked())
 
     def _unblock_buffers(self) -> None:
         if self._buffers_blocked and not self.broker.buffers.exhausted:
             self._buffers_blocked = False
             self.broker.mark_all_dirty()
 
-    def _schedule_throttle_wake(self, queue: Queue, heads: list[MessageRef]) -> None:
-        """Wakes the queue when the first newly parked key can have its tokens.
+    def _schedule_throttle_wake(self, queue: Queue, keys: list[FairnessKey]) -> None:
+        """Schedules each newly parked key's return for when its tokens can be there.
 
-        Keys parked earlier already have a wake-up; a newly parked key can only
-        need an earlier one (a faster bucket, or a rate just raised)."""
-        if not heads:
+        A heap per queue, with one timer for its earliest entry: a wake-up returns
+        only the keys that are due, so thousands of throttled keys cost O(log n) each
+        per wake, not a pass over all of them."""
+        if not keys:
             return
-        queue.counters.throttled += len(heads)
-        wait_s = min(self.broker.throttles.seconds_until_available(h.throttle_keys) for h in heads)
-        wake_ms = self.broker.clock.now_ms() + max(1, int(wait_s * 1000) + 1)
-        if queue.throttle_wake_ms is None or wake_ms < queue.throttle_wake_ms:
-            queue.throttle_wake_ms = wake_ms
-            self.broker.timers.at(wake_ms, self._throttle_wake, queue)
+        queue.counters.throttled += len(keys)
+        throttles = self.broker.throttles
+        now = self.broker.clock.now_ms()
+        wakes = queue.throttle_wakes
+        for key in keys:
+            wait_s = throttles.seconds_until_available(key.messages[0].throttle_keys)
+            heapq.heappush(wakes, (now + max(1, int(wait_s * 1000) + 1), next(_wake_seq), key))
+        self._arm_throttle_wake(queue)
+
+    def _arm_throttle_wake(self, queue: Queue) -> None:
+        wakes = queue.throttle_wakes
+        if not wakes:
+            return
+        earliest = wakes[0][0]
+        if queue.throttle_wake_ms is None or earliest < queue.throttle_wake_ms:
+            queue.throttle_wake_ms = earliest
+            self.broker.timers.at(earliest, self._throttle_wake, queue)
 
     def _throttle_wake(self, queue: Queue) -> None:
         due = queue.throttle_wake_ms
-        if due is not None and self.broker.clock.now_ms() < due:
+        now = self.broker.clock.now_ms()
+        if due is None or now < due:
             return  # a stale wake-up: an earlier one was scheduled after it and has run
         queue.throttle_wake_ms = None
-        if not queue.deleted and queue.drr.unpark_all():
+        if queue.deleted:
+            return
+        wakes = queue.throttle_wakes
+        ready: list[FairnessKey] = []
+        while wakes and wakes[0][0] <= now:
+            ready.append(heapq.heappop(wakes)[2])
+        if queue.drr.unpark(ready):
             self.broker.mark_dirty(queue)
+        self._arm_throttle_wake(queue)

@@ -4,8 +4,9 @@ Keys with ready messages sit in a ring. When a key's turn comes it gains
 ``quantum * weight`` deficit; each delivery costs 1; the turn ends when the
 deficit is spent, the key runs dry, or its next message is throttled. A key
 that runs dry leaves the ring and forgets its deficit. A throttled key is
-parked outside the ring until the owner calls `unpark_all` (when tokens may
-have refilled), so a backlog of throttled keys costs nothing per pick.
+parked outside the ring until the owner returns it with `unpark` (when its
+tokens can be there) or `unpark_all` (a throttle changed), so a backlog of
+throttled keys costs nothing per pick.
 
 The turn state lives across `pick` calls because deliveries are pulled one at
 a time, as consumers have room. With the default quantum of 1, a key of weight
@@ -46,7 +47,7 @@ class Drr:
         self.keys: dict[str, FairnessKey] = {}
         self._ring: deque[FairnessKey] = deque()
         self._turn_open = False
-        self._parked: list[FairnessKey] = []
+        self._parked: dict[str, FairnessKey] = {}
         # Keys parked since the owner last looked; only these can need an earlier wake-up.
         self.newly_parked: list[FairnessKey] = []
         self.ready_count = 0
@@ -98,7 +99,7 @@ class Drr:
                 ring.popleft()
                 self._turn_open = False
                 key.parked = True
-                self._parked.append(key)
+                self._parked[key.name] = key
                 self.newly_parked.append(key)
                 continue
             key.messages.popleft()
@@ -112,21 +113,32 @@ class Drr:
         return None
 
     def unpark_all(self) -> bool:
-        """Returns parked keys to the ring; True if there were any."""
+        """Returns every parked key to the ring; True if there were any."""
         if not self._parked:
             return False
-        for key in self._parked:
+        for key in self._parked.values():
             key.parked = False
             self._ring.append(key)
         self._parked.clear()
         self.newly_parked.clear()
         return True
 
-    def take_newly_parked_heads(self) -> list[MessageRef]:
-        """Head messages of keys parked since the last call (still parked and non-empty)."""
-        heads = [key.messages[0] for key in self.newly_parked if key.parked and key.messages]
+    def unpark(self, keys: list[FairnessKey]) -> bool:
+        """Returns these keys to the ring if they are still parked; True if any was."""
+        parked = self._parked
+        back = False
+        for key in keys:
+            if parked.pop(key.name, None) is key:
+                key.parked = False
+                self._ring.append(key)
+                back = True
+        return back
+
+    def take_newly_parked(self) -> list[FairnessKey]:
+        """Keys parked since the last call that are still parked (and so non-empty)."""
+        keys = [key for key in self.newly_parked if key.parked]
         self.newly_parked.clear()
-        return heads
+        return keys
 
     def take(self, limit: int) -> list[MessageRef]:
         """Takes up to `limit` ready messages out, oldest first within each key (redrive)."""
@@ -159,7 +171,7 @@ class Drr:
     def _drop_key(self, key: FairnessKey) -> None:
         del self.keys[key.name]
         if key.parked:
-            self._parked.remove(key)
+            del self._parked[key.name]
         else:
             if self._ring and self._ring[0] is key:
                 self._turn_open = False

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from fila.core.consumers import ConsumerRing
-from fila.core.drr import Drr
+from fila.core.drr import Drr, FairnessKey
 from fila.core.errors import InvalidArgument, clip
 from fila.core.leases import LeaseTable
 from fila.core.records import Lease, MessageRef
@@ -76,6 +76,7 @@ class Queue:
         "limbo",
         "record",
         "throttle_wake_ms",
+        "throttle_wakes",
     )
 
     def __init__(
@@ -101,6 +102,8 @@ class Queue:
         self.limbo: dict[bytes, MessageRef] = {}
         self.deleted = False
         self.throttle_wake_ms: int | None = None
+        # (due ms, seq, key): when each parked fairness key's tokens can be there.
+        self.throttle_wakes: list[tuple[int, int, FairnessKey]] = []
         self.counters = QueueCounters()
         self.key_deliveries: dict[str, int] = {}
 
