@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import grpc
 import pytest
 from support import ServerFactory, wait_until
-from support.stubs import RPC_TIMEOUT_S, Fila, StreamConsumer, connect, rpc_error
+from support.stubs import RPC_TIMEOUT_S, Fila, StreamConsumer, StreamEnded, connect, rpc_error
 
 from fila.v1 import service_pb2
 
@@ -329,3 +330,40 @@ def test_kill_9_during_batches_keeps_every_answered_item_and_no_half_batch(
         by_batch.setdefault(batch_tag, set()).add(item)
     partial = {tag: len(items) for tag, items in by_batch.items() if len(items) != 20}
     assert not partial, f"batches stored in part: {partial}"
+
+
+def test_a_stream_ended_by_an_unknown_id_returns_its_unsent_messages_at_once(
+    server_factory: ServerFactory,
+) -> None:
+    """Messages queued for a stream but never written (its client stopped reading)
+    must go back when the stream ends, not sit leased until the visibility timeout."""
+    server = server_factory(
+        persist_mode="buffer",
+        config_toml="[scheduler]\nstream_buffer_bytes = 100000000\n"
+        "total_buffer_bytes = 100000000\n",
+    )
+    with connect(server.addr) as fila:
+        fila.create_queue("q")
+        for _ in range(4):
+            _batch(fila, [_enq("q", bytes(200_000))] * 50)
+        stream = StreamConsumer(fila.svc, "q", prefetch=200, max_batch=1, read=False)
+        try:
+            wait_until(lambda: fila.stats("q").in_flight == 200, PROMPT_S)
+            stream.ack(["00000000-0000-7000-8000-000000000000"])
+            stream.allow_reading()
+            end = _read_until_end(stream, PROMPT_S * 3)
+            assert end.error is not None and end.error.code() == grpc.StatusCode.NOT_FOUND
+            wait_until(lambda: fila.stats("q").in_flight == 0, 5.0, what="all 200 returned")
+            assert fila.stats("q").depth == 200
+        finally:
+            stream.cancel()
+
+
+def _read_until_end(stream: StreamConsumer, within: float) -> StreamEnded:
+    """Reads (and drops) whatever was already sent until the stream ends."""
+    deadline = time.monotonic() + within
+    while True:
+        try:
+            stream.get(max(0.0, deadline - time.monotonic()))
+        except StreamEnded as end:
+            return end

@@ -136,18 +136,21 @@ class Consumer:
             self._waiter = None
         return True
 
-    def close(self, reason: BrokerError) -> list[Lease]:
-        """Ends the stream with `reason`; returns the leases that were never sent."""
+    def close(self, reason: BrokerError) -> None:
+        """Ends the stream with `reason` (the first reason given wins). What it holds
+        stays until `release_unsent`, so whoever detaches it can give that back."""
         if self._closed_with is None:
             self._closed_with = reason
-        unsent = [lease for lease, _ in self._buffer]
-        released = self.buffered_bytes
-        self._buffer.clear()
-        self.buffered_bytes = 0
-        self.budget.bytes -= released
         waiter = self._waiter
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
+
+    def release_unsent(self) -> list[Lease]:
+        """Empties the buffer; returns the leases whose messages were never sent."""
+        unsent = [lease for lease, _ in self._buffer]
+        self._buffer.clear()
+        self.budget.bytes -= self.buffered_bytes
+        self.buffered_bytes = 0
         return unsent
 
 
@@ -200,7 +203,8 @@ class ConsumerRing:
         """Closes every consumer (queue deleted); returns their unsent leases."""
         unsent: list[Lease] = []
         for consumer in self.consumers.values():
-            unsent += consumer.close(reason)
+            consumer.close(reason)
+            unsent += consumer.release_unsent()
             consumer.waiting = False
         self.consumers.clear()
         self._waiting.clear()

@@ -69,7 +69,8 @@ class Delivery:
         straight back; sent ones stay leased, except on a stream that settles its own
         (StreamConsume), whose delivered messages come back as failed attempts."""
         queue = self.broker.queues.get(consumer.queue_name)
-        unsent = consumer.close(reason or Unavailable("consumer closed"))
+        consumer.close(reason or Unavailable("consumer closed"))
+        unsent = consumer.release_unsent()
         if queue is None or not queue.consumers.remove(consumer):
             return
         for lease in unsent:
