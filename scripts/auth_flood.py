@@ -1,11 +1,12 @@
 #!/usr/bin/env python3
 """What wrong API keys cost a legitimate client: its latency with and without a flood.
 
-Starts a real broker with auth on, then measures a legitimate producer (one
-Enqueue in flight, a valid key) alone for `--baseline-s` seconds, and again while a
-separate attacker process sends `--attack-keys` Enqueue calls with random wrong
-keys, `--concurrency` in flight (each worker on its own connection). Prints the
-legitimate client's p50/p99/max in both phases and how long the attack took.
+Starts a real broker with auth on and measures a legitimate producer (one Enqueue
+in flight, a valid key) for `--baseline-s` seconds, then while a separate attacker
+process sends `--attack-keys` Enqueue calls with random wrong keys, `--concurrency`
+in flight over up to 50 connections, then again for `--baseline-s` seconds. Prints
+the legitimate client's p50/p99/max in each phase (the two quiet phases show how
+noisy the machine is) and how long the attack took.
 
     .venv/bin/python scripts/auth_flood.py                 # 1,000 wrong keys, 50 in flight
     .venv/bin/python scripts/auth_flood.py --concurrency 1000   # all at once
@@ -40,21 +41,23 @@ def percentile(samples: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-async def legit(addr: str, key: str, stop: asyncio.Event | None, seconds: float) -> list[float]:
-    """Closed loop, one call in flight; returns latencies in ms."""
+async def legit(
+    addr: str, key: str, stop: asyncio.Event | None, seconds: float, warm_up: int = 0
+) -> list[tuple[float, float]]:
+    """Closed loop, one call in flight; returns (start time, latency ms) per call."""
     metadata = (("authorization", f"Bearer {key}"),)
-    latencies: list[float] = []
+    samples: list[tuple[float, float]] = []
     async with grpc.aio.insecure_channel(addr) as channel:
         enqueue = service_pb2_grpc.FilaServiceStub(channel).Enqueue
         request = service_pb2.EnqueueRequest(queue=QUEUE, payload=b"x" * 100)
-        for _ in range(200):  # warm up
+        for _ in range(warm_up):
             await enqueue(request, metadata=metadata)
         deadline = time.perf_counter() + seconds
         while time.perf_counter() < deadline and not (stop is not None and stop.is_set()):
             start = time.perf_counter()
             await enqueue(request, metadata=metadata)
-            latencies.append((time.perf_counter() - start) * 1000)
-    return latencies
+            samples.append((start, (time.perf_counter() - start) * 1000))
+    return samples
 
 
 def attack(addr: str, keys: int, concurrency: int, started: object, result: object) -> None:
@@ -92,8 +95,17 @@ def attack(addr: str, keys: int, concurrency: int, started: object, result: obje
     result.put(asyncio.run(run()))  # type: ignore[attr-defined]
 
 
+def report(label: str, samples: list[tuple[float, float]]) -> None:
+    latencies = [ms for _, ms in samples]
+    print(
+        f"legit client {label:22s}: n={len(latencies):6d}  "
+        f"p50={statistics.median(latencies):.3f} ms  p99={percentile(latencies, 0.99):.3f} ms  "
+        f"max={max(latencies):.3f} ms"
+    )
+
+
 async def measure(args: argparse.Namespace, addr: str, key: str) -> None:
-    baseline = await legit(addr, key, None, args.baseline_s)
+    before = await legit(addr, key, None, args.baseline_s, warm_up=500)
     ctx = multiprocessing.get_context("spawn")
     started, done, result = ctx.Event(), asyncio.Event(), ctx.Queue()
     proc = ctx.Process(
@@ -101,22 +113,26 @@ async def measure(args: argparse.Namespace, addr: str, key: str) -> None:
     )
     proc.start()
     await asyncio.to_thread(started.wait)
+    attack_start = time.perf_counter()
 
     async def wait_attacker() -> tuple[float, dict[str, int]]:
         out: tuple[float, dict[str, int]] = await asyncio.to_thread(result.get)
         done.set()
         return out
 
-    attacked, (elapsed, codes) = await asyncio.gather(
+    during, (elapsed, codes) = await asyncio.gather(
         legit(addr, key, done, args.max_attack_s), wait_attacker()
     )
     proc.join()
-    for label, samples in (("without attack", baseline), ("with attack", attacked)):
-        print(
-            f"legit client {label:15s}: n={len(samples):6d}  "
-            f"p50={statistics.median(samples):.3f} ms  p99={percentile(samples, 0.99):.3f} ms  "
-            f"max={max(samples):.3f} ms"
-        )
+    after = await legit(addr, key, None, args.baseline_s)
+    report("before the attack", before)
+    report("during the attack", during)
+    report("after the attack", after)
+    slowest = sorted(during, key=lambda s: -s[1])[:3]
+    print(
+        "slowest during: "
+        + ", ".join(f"{ms:.1f} ms at +{start - attack_start:.2f} s" for start, ms in slowest)
+    )
     rate = args.attack_keys / elapsed
     print(
         f"attack: {args.attack_keys} wrong keys, {args.concurrency} in flight, "
@@ -128,12 +144,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--attack-keys", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=50)
-    parser.add_argument("--baseline-s", type=float, default=5.0)
+    parser.add_argument("--baseline-s", type=float, default=10.0)
     parser.add_argument("--max-attack-s", type=float, default=120.0)
+    parser.add_argument("--persist-mode", choices=("sync", "buffer"), default="sync")
     args = parser.parse_args()
     boot = "boot-" + secrets.token_hex(16)
     with tempfile.TemporaryDirectory() as tmp:
-        server = ServerProcess(Path(tmp) / "data", env={"FILA_BOOTSTRAP_APIKEY": boot})
+        server = ServerProcess(
+            Path(tmp) / "data",
+            env={"FILA_BOOTSTRAP_APIKEY": boot},
+            persist_mode=args.persist_mode,
+        )
         with server:
             with grpc.insecure_channel(server.addr) as channel:
                 admin_pb2_grpc.FilaAdminStub(channel).CreateQueue(

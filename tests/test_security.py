@@ -34,6 +34,13 @@ from fila.cli import cli
 from fila.core.errors import InvalidArgument
 from fila.security.acl import Kind, Pattern, Permission, may_delegate
 from fila.security.apikeys import fingerprint
+from fila.security.failures import (
+    FREE_FAILURES,
+    MAX_DELAY_S,
+    MAX_HELD,
+    MAX_PEERS,
+    FailureGuard,
+)
 from fila.server.access import RULES, Scope
 from fila.server.process import ServerProcess
 from fila.v1 import admin_pb2, service_pb2, service_pb2_grpc
@@ -160,6 +167,29 @@ def test_rules_cover_every_rpc_with_the_spec_kind() -> None:
         assert {n.rsplit("/", 1)[1] for n, r in RULES.items() if r.kind is kind} == names
     for batch in ("EnqueueBatch", "StreamEnqueue", "AckBatch", "NackBatch", "StreamConsume"):
         assert RULES[f"/fila.v1.FilaService/{batch}"].scope is Scope.EACH_ITEM
+
+
+def test_failure_guard_delays_forgives_and_stays_bounded() -> None:
+    now = [0.0]
+    guard = FailureGuard(lambda: now[0])
+    delays = [guard.failed("ipv4:10.0.0.1").delay_s for _ in range(12)]
+    assert delays[:FREE_FAILURES] == [0.0] * FREE_FAILURES  # a misconfigured client: fast errors
+    assert delays[FREE_FAILURES:9] == [0.05, 0.1, 0.2, 0.4]
+    assert delays[-1] == MAX_DELAY_S
+    assert guard.failed("ipv4:10.0.0.2").delay_s == 0.0  # counted per host
+    now[0] += 60.0  # forgiven at LEAK_PER_S
+    assert guard.failed("ipv4:10.0.0.1").delay_s == 0.0
+    for _ in range(guard.held):
+        guard.released()
+    hosts = [f"ipv4:10.1.{i // 256}.{i % 256}" for i in range(MAX_PEERS + 100)]
+    for host in hosts:
+        guard.failed(host)
+    assert len(guard._scores) == MAX_PEERS  # least recently failing hosts dropped
+    busy = FailureGuard(lambda: now[0])
+    held = [busy.failed("ipv4:10.0.0.9").delay_s for _ in range(MAX_HELD + FREE_FAILURES + 10)]
+    assert busy.held == MAX_HELD and held[-1] == 0.0  # past the bound: answered at once
+    logged = [busy.failed("ipv4:10.0.0.9") for _ in range(5)]
+    assert not any(v.log for v in logged)  # the log bucket is long empty
 
 
 # --- The ACL matrix ------------------------------------------------------------------------
@@ -465,16 +495,22 @@ def test_expired_key_is_refused_and_its_stream_ends(admin: Client, secured: Serv
     listed = {k.key_id: k for k in admin.list_api_keys()}[key.key_id]
     assert listed.expires_at is not None
     assert abs((listed.expires_at - expires_at).total_seconds()) < 0.01
-    with as_key(secured, key) as client:
-        client.enqueue(queue, None, b"before expiry")
-        stream = client.consume(queue)
-        assert next(stream).payload == b"before expiry"
-        with pytest.raises(UnauthenticatedError, match="expired"):
-            next(stream)  # the broker ends the open stream when the key expires
-        assert datetime.now(UTC) >= expires_at - timedelta(milliseconds=50)
-        with pytest.raises(UnauthenticatedError, match="expired"):
-            client.enqueue(queue, None, b"after expiry")
+
+    async def scenario() -> None:
+        async with AsyncClient(secured.addr, api_key=key.key) as client:
+            await client.enqueue(queue, None, b"before expiry")
+            stream = client.consume(queue)
+            assert (await anext(stream)).payload == b"before expiry"
+            # The broker ends the open stream when the key expires.
+            with pytest.raises(UnauthenticatedError, match="expired"):
+                await asyncio.wait_for(anext(stream), 10)
+            assert datetime.now(UTC) >= expires_at - timedelta(milliseconds=50)
+            with pytest.raises(UnauthenticatedError, match="expired"):
+                await client.enqueue(queue, None, b"after expiry")
+
+    asyncio.run(scenario())
     assert admin.get_stats(queue).depth == 0  # the refused enqueue stored nothing
+    assert key.key_id in {k.key_id for k in admin.list_api_keys()}  # listed until revoked
 
 
 def test_revocation_ends_open_consume_stream(admin: Client, secured: ServerProcess) -> None:

@@ -10,7 +10,8 @@ case-insensitively, as HTTP defines it). The interceptor
   keeps failing waits longer for its answers (`fila.security.failures`);
 - otherwise binds the `Caller` for the handler (`fila.server.access`) and applies
   the method's rule from `access.RULES`, so unary calls on one queue are
-  authorized in this one place, before their handler runs.
+  authorized in this one place, before their handler runs. Handlers are
+  grpc.aio coroutines or async generators; the wrapper keeps their shape.
 
 Without a bootstrap key there is no interceptor: no caller is bound and
 `fila.server.access` allows everything.
@@ -129,21 +130,16 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 def _authorized(handler: Handler, caller: Caller, rule: Rule) -> Handler:
     """`handler` with `caller` bound and `rule` checked before its behaviour runs."""
 
+    # A streamed request's items name their own queues (Scope.EACH_ITEM): nothing to read.
+    reads_request = not handler.request_streaming
+
     async def admit(request: Any, context: Context) -> None:
         access.bind(caller)
-        refusal = rule.check(caller, request)
+        refusal = rule.check(caller, request if reads_request else None)
         if refusal is not None:
             await abort(context, refusal)
 
     behaviour = _behaviour(handler)
-    if handler.request_streaming:
-        # The request is a stream: its items name their queues (Scope.EACH_ITEM).
-        inner_admit = admit
-
-        async def admit_stream(request: Any, context: Context) -> None:
-            await inner_admit(None, context)
-
-        admit = admit_stream
     if inspect.isasyncgenfunction(behaviour):
 
         async def generate(request: Any, context: Context) -> AsyncIterator[Any]:
