@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import json
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -171,12 +172,15 @@ def test_rules_cover_every_rpc_with_the_spec_kind() -> None:
 
 def test_failure_guard_delays_forgives_and_stays_bounded() -> None:
     now = [0.0]
-    guard = FailureGuard(lambda: now[0])
+    guard = FailureGuard(lambda: now[0], jitter=lambda: 0.0)
     delays = [guard.failed("ipv4:10.0.0.1").delay_s for _ in range(12)]
     assert delays[:FREE_FAILURES] == [0.0] * FREE_FAILURES  # a misconfigured client: fast errors
     assert delays[FREE_FAILURES:9] == [0.05, 0.1, 0.2, 0.4]
     assert delays[-1] == MAX_DELAY_S
     assert guard.failed("ipv4:10.0.0.2").delay_s == 0.0  # counted per host
+    spread = FailureGuard(lambda: now[0], jitter=lambda: 0.999)
+    late = [spread.failed("ipv4:10.0.0.3").delay_s for _ in range(20)][-1]
+    assert MAX_DELAY_S * 0.5 < late < MAX_DELAY_S * 0.51  # held calls do not come due together
     now[0] += 60.0  # forgiven at LEAK_PER_S
     assert guard.failed("ipv4:10.0.0.1").delay_s == 0.0
     for _ in range(guard.held):
@@ -681,8 +685,9 @@ def test_failed_attempts_are_logged_rate_limited_and_slowed(server_factory: Serv
     assert codes == [grpc.StatusCode.UNAUTHENTICATED] * len(wrong_keys)
     # Unslowed, 120 refusals take a few tens of ms; the guard holds a failing host's answers.
     assert elapsed > 1.0
-    # Calls with a valid key from the same host are not held (generous bound: shared CPUs).
-    assert legit_ms and max(legit_ms) < 500, max(legit_ms)
+    # Calls with a valid key from the same host are not held (a held call waits at least
+    # 0.5 s once the host is past its free failures); the median shrugs off CPU contention.
+    assert len(legit_ms) > 10 and statistics.median(legit_ms) < 100, legit_ms
     assert srv.running
     lines = [line for line in srv.log_text().splitlines() if "auth failed" in line]
     assert 1 <= len(lines) <= 10 + elapsed + 1  # burst of 10, then 1 a second

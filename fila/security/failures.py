@@ -16,7 +16,10 @@ by reconnecting.
 
 Score per peer host: +1 per failure, leaking `LEAK_PER_S` per second. The first
 `FREE_FAILURES` are answered at once, so a misconfigured client gets its error
-quickly; after that the delay doubles from `BASE_DELAY_S` up to `MAX_DELAY_S`.
+quickly; after that the delay doubles from `BASE_DELAY_S` up to `MAX_DELAY_S`,
+less a random part of up to `JITTER` of it: without it, a guesser's calls held
+together come due together, and their refusals and its next guesses would reach
+the event loop in one burst (measured: a 10 ms stall each second at 40 in flight).
 At most `MAX_HELD` calls are held at a time and at most `MAX_PEERS` hosts are
 tracked (least recently failing dropped first), so memory stays bounded; past
 either bound a failure is answered at once.
@@ -27,6 +30,7 @@ line says how many failures went unlogged since the previous one.
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ FREE_FAILURES: Final = 5
 LEAK_PER_S: Final = 1.0
 BASE_DELAY_S: Final = 0.05
 MAX_DELAY_S: Final = 1.0
+JITTER: Final = 0.5
 MAX_HELD: Final = 2_000
 MAX_PEERS: Final = 10_000
 LOG_BURST: Final = 10
@@ -54,8 +59,13 @@ class Verdict:
 
 
 class FailureGuard:
-    def __init__(self, now: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        now: Callable[[], float] = time.monotonic,
+        jitter: Callable[[], float] = random.random,
+    ) -> None:
         self._now = now
+        self._jitter = jitter  # uniform in [0, 1)
         # peer -> (score, time of the last failure); ordered least recently failing first.
         self._scores: dict[str, tuple[float, float]] = {}
         self._held = 0
@@ -80,6 +90,7 @@ class FailureGuard:
         if score > FREE_FAILURES and self._held < MAX_HELD:
             doublings = min(score - FREE_FAILURES - 1, _MAX_DOUBLINGS)
             delay_s = min(MAX_DELAY_S, BASE_DELAY_S * 2**doublings)
+            delay_s *= 1.0 - JITTER * self._jitter()
             self._held += 1
         if self._take_log_token(now):
             unlogged, self._unlogged = self._unlogged, 0
