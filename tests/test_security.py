@@ -19,6 +19,7 @@ import textwrap
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -44,7 +45,7 @@ from fila.security.failures import (
 )
 from fila.server.access import RULES, Scope
 from fila.server.process import ServerProcess
-from fila.v1 import admin_pb2, service_pb2, service_pb2_grpc
+from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 from fila_sdk import (
     AclPermission,
     ApiKeyNotFoundError,
@@ -199,64 +200,188 @@ def test_failure_guard_delays_forgives_and_stays_bounded() -> None:
 # --- The ACL matrix ------------------------------------------------------------------------
 
 
-def _enqueue(client: Client, queue: str) -> None:
-    client.enqueue(queue, None, b"matrix")
+@dataclass
+class As:
+    """One key's view of the broker: `fila_sdk` for the unary RPCs, the raw stubs (with
+    the key's metadata) for the batch and stream RPCs the published SDKs do not have."""
+
+    sdk: Client
+    svc: service_pb2_grpc.FilaServiceStub
+    admin: admin_pb2_grpc.FilaAdminStub
+    md: tuple[tuple[str, str], ...]
 
 
-def _consume(client: Client, queue: str) -> None:
-    stream = client.consume(queue)
+@contextmanager
+def as_key_raw(server: ServerProcess, key: CreatedApiKey) -> Iterator[As]:
+    with as_key(server, key) as sdk, grpc.insecure_channel(server.addr) as channel:
+        md = (("authorization", f"Bearer {key.key}"),)
+        yield As(
+            sdk,
+            service_pb2_grpc.FilaServiceStub(channel),
+            admin_pb2_grpc.FilaAdminStub(channel),
+            md,
+        )
+
+
+def _denied_as_error(err: grpc.RpcError | service_pb2.BatchError) -> None:
+    """A refusal, as a call's status or as a batch item's error, becomes the SDK's
+    PermissionDeniedError; any other failure passes through untouched."""
+    if isinstance(err, service_pb2.BatchError):
+        if err.kind == "permission_denied":
+            raise PermissionDeniedError(err.message, grpc.StatusCode.PERMISSION_DENIED)
+        return
+    if err.code() == grpc.StatusCode.PERMISSION_DENIED:
+        raise PermissionDeniedError(err.details() or "", grpc.StatusCode.PERMISSION_DENIED)
+    raise err
+
+
+def _enqueue(who: As, queue: str) -> None:
+    who.sdk.enqueue(queue, None, b"matrix")
+
+
+def _consume(who: As, queue: str) -> None:
+    stream = who.sdk.consume(queue)
     try:
         assert next(stream).payload == b"seed"
     finally:
         stream.close()
 
 
-def _ack(client: Client, queue: str) -> None:
+def _ack(who: As, queue: str) -> None:
     with pytest.raises(MessageNotFoundError):  # past the ACL: the id is simply not leased
-        client.ack(queue, str(uuid.uuid4()))
+        who.sdk.ack(queue, str(uuid.uuid4()))
 
 
-def _nack(client: Client, queue: str) -> None:
+def _nack(who: As, queue: str) -> None:
     with pytest.raises(MessageNotFoundError):
-        client.nack(queue, str(uuid.uuid4()), "boom")
+        who.sdk.nack(queue, str(uuid.uuid4()), "boom")
 
 
-def _create_queue(client: Client, queue: str) -> None:
+def _create_queue(who: As, queue: str) -> None:
     with pytest.raises(QueueAlreadyExistsError):  # past the ACL: the fixture made it
-        client.create_queue(queue)
+        who.sdk.create_queue(queue)
 
 
-def _delete_queue(client: Client, queue: str) -> None:
-    client.delete_queue(queue)
+def _delete_queue(who: As, queue: str) -> None:
+    who.sdk.delete_queue(queue)
 
 
-def _get_stats(client: Client, queue: str) -> None:
-    assert client.get_stats(queue).depth >= 0
+def _get_stats(who: As, queue: str) -> None:
+    assert who.sdk.get_stats(queue).depth >= 0
 
 
-def _redrive(client: Client, queue: str) -> None:
-    assert client.redrive(queue + ".dlq") == 0  # the DLQ is covered by its queue's pattern
+def _redrive(who: As, queue: str) -> None:
+    assert who.sdk.redrive(queue + ".dlq") == 0  # the DLQ is covered by its queue's pattern
+
+
+def _enqueue_batch(who: As, queue: str) -> None:
+    request = service_pb2.EnqueueBatchRequest(
+        messages=[service_pb2.EnqueueRequest(queue=queue, payload=b"batch")]
+    )
+    (result,) = who.svc.EnqueueBatch(request, metadata=who.md, timeout=10).results
+    _denied_as_error(result.error)
+    assert result.message_id
+
+
+def _stream_enqueue(who: As, queue: str) -> None:
+    request = service_pb2.StreamEnqueueRequest(
+        sequence_number=7, messages=[service_pb2.EnqueueRequest(queue=queue, payload=b"s")]
+    )
+    answers = who.svc.StreamEnqueue(iter([request]), metadata=who.md, timeout=10)
+    (answer,) = list(answers)
+    (result,) = answer.results
+    _denied_as_error(result.error)
+    assert answer.sequence_number == 7 and result.message_id
+
+
+def _ack_batch(who: As, queue: str) -> None:
+    request = service_pb2.AckBatchRequest(
+        acks=[service_pb2.AckRequest(queue=queue, message_id=str(uuid.uuid4()))]
+    )
+    (result,) = who.svc.AckBatch(request, metadata=who.md, timeout=10).results
+    _denied_as_error(result)
+    assert result.kind == "message_not_found"
+
+
+def _nack_batch(who: As, queue: str) -> None:
+    request = service_pb2.NackBatchRequest(
+        nacks=[service_pb2.NackRequest(queue=queue, message_id=str(uuid.uuid4()))]
+    )
+    (result,) = who.svc.NackBatch(request, metadata=who.md, timeout=10).results
+    _denied_as_error(result)
+    assert result.kind == "message_not_found"
+
+
+def _stream_consume(who: As, queue: str) -> None:
+    opening = service_pb2.StreamConsumeRequest(queue=queue)
+    stream = who.svc.StreamConsume(iter([opening]), metadata=who.md, timeout=10)
+    try:
+        frame = next(stream)
+        while not frame.HasField("message"):  # keepalives
+            frame = next(stream)
+        assert frame.message.payload == b"seed"
+    except grpc.RpcError as err:
+        _denied_as_error(err)
+    finally:
+        stream.cancel()
+
+
+def _extend_lease(who: As, queue: str) -> None:
+    request = service_pb2.ExtendLeaseRequest(queue=queue, message_id=str(uuid.uuid4()))
+    try:
+        who.svc.ExtendLease(request, metadata=who.md, timeout=10)
+    except grpc.RpcError as err:
+        if err.code() != grpc.StatusCode.NOT_FOUND:  # NOT_FOUND: past the ACL
+            _denied_as_error(err)
+    else:
+        raise AssertionError("extending an unknown lease must fail")
+
+
+def _peek(who: As, queue: str) -> None:
+    request = admin_pb2.PeekMessagesRequest(queue=queue)
+    try:
+        peeked = who.admin.PeekMessages(request, metadata=who.md, timeout=10)
+    except grpc.RpcError as err:
+        _denied_as_error(err)
+    assert [m.payload for m in peeked.messages] == [b"seed"]
+
+
+def _purge(who: As, queue: str) -> None:
+    request = admin_pb2.PurgeQueueRequest(queue=queue)
+    try:
+        purged = who.admin.PurgeQueue(request, metadata=who.md, timeout=10)
+    except grpc.RpcError as err:
+        _denied_as_error(err)
+    assert purged.purged == 1
 
 
 @dataclass(frozen=True)
 class Op:
     """One RPC as a matrix row: `run` returns when allowed, raises PermissionDeniedError
-    when not. Batch and stream RPCs join as rows of their own."""
+    when not."""
 
     rpc: str
     kind: Kind
-    run: Callable[[Client, str], None]
+    run: Callable[[As, str], None]
 
 
 OPS = [
     Op("Enqueue", Kind.PRODUCE, _enqueue),
+    Op("EnqueueBatch", Kind.PRODUCE, _enqueue_batch),
+    Op("StreamEnqueue", Kind.PRODUCE, _stream_enqueue),
     Op("Consume", Kind.CONSUME, _consume),
+    Op("StreamConsume", Kind.CONSUME, _stream_consume),
     Op("Ack", Kind.CONSUME, _ack),
     Op("Nack", Kind.CONSUME, _nack),
+    Op("AckBatch", Kind.CONSUME, _ack_batch),
+    Op("NackBatch", Kind.CONSUME, _nack_batch),
+    Op("ExtendLease", Kind.CONSUME, _extend_lease),
     Op("CreateQueue", Kind.ADMIN, _create_queue),
     Op("DeleteQueue", Kind.ADMIN, _delete_queue),
     Op("GetStats", Kind.ADMIN, _get_stats),
     Op("Redrive", Kind.ADMIN, _redrive),
+    Op("PeekMessages", Kind.ADMIN, _peek),
+    Op("PurgeQueue", Kind.ADMIN, _purge),
 ]
 
 
@@ -267,6 +392,16 @@ def _shape(shape: str, tenant: str) -> tuple[str, str, str | None]:
     if shape == "prefix":
         return f"{tenant}.*", f"{tenant}.q", tenant
     return "*", f"{tenant}-any", None
+
+
+def test_acl_matrix_names_every_queue_rpc() -> None:
+    """Each RPC that acts on a queue has a matrix row, so a new one cannot go untested."""
+    queue_rpcs = {
+        name.rsplit("/", 1)[1]
+        for name, rule in RULES.items()
+        if rule.scope in (Scope.QUEUE, Scope.EACH_ITEM)
+    }
+    assert {op.rpc for op in OPS} == queue_rpcs
 
 
 @pytest.mark.parametrize("shape", ["exact", "prefix", "star"])
@@ -280,7 +415,7 @@ def test_acl_matrix(admin: Client, secured: ServerProcess, op: Op, shape: str) -
     holder = new_key(admin, f"{op.kind}:{pattern}")
     others = new_key(admin, *(f"{k}:{pattern}" for k in Kind if k is not op.kind))
     before = {q.name: q.depth for q in admin.list_queues()}
-    with as_key(secured, holder) as client, as_key(secured, others) as other:
+    with as_key_raw(secured, holder) as client, as_key_raw(secured, others) as other:
         if outside is not None:
             with pytest.raises(PermissionDeniedError, match=f'{op.kind} permission on queue "'):
                 op.run(client, outside)
@@ -291,19 +426,42 @@ def test_acl_matrix(admin: Client, secured: ServerProcess, op: Op, shape: str) -
         op.run(client, inside)
 
 
+def test_batch_items_outside_the_acl_fail_alone(admin: Client, secured: ServerProcess) -> None:
+    mine, theirs = unique("mine"), unique("theirs")
+    for queue in (mine, theirs):
+        admin.create_queue(queue)
+    key = new_key(admin, f"produce:{mine}", f"consume:{mine}")
+    with as_key_raw(secured, key) as who:
+        items = [service_pb2.EnqueueRequest(queue=q, payload=b"x") for q in (mine, theirs, mine)]
+        reply = who.svc.EnqueueBatch(
+            service_pb2.EnqueueBatchRequest(messages=items), metadata=who.md, timeout=10
+        )
+        kinds = [r.error.kind or "stored" for r in reply.results]
+        assert kinds == ["stored", "permission_denied", "stored"]
+        assert theirs in reply.results[1].error.message
+        acks = [
+            service_pb2.AckRequest(queue=q, message_id=str(uuid.uuid4())) for q in (theirs, mine)
+        ]
+        acked = who.svc.AckBatch(
+            service_pb2.AckBatchRequest(acks=acks), metadata=who.md, timeout=10
+        )
+        assert [r.kind for r in acked.results] == ["permission_denied", "message_not_found"]
+    assert admin.get_stats(mine).depth == 2 and admin.get_stats(theirs).depth == 0
+
+
 def test_new_key_has_no_permissions(admin: Client, secured: ServerProcess) -> None:
     queue = unique("fresh")
     admin.create_queue(queue)
     admin.enqueue(queue, None, b"seed")
     key = new_key(admin)
-    with as_key(secured, key) as client:
-        assert client.get_acl(key.key_id).permissions == ()  # its own ACL is readable
-        assert queue_names(client) == set()
+    with as_key_raw(secured, key) as who:
+        assert who.sdk.get_acl(key.key_id).permissions == ()  # its own ACL is readable
+        assert queue_names(who.sdk) == set()
         for op in OPS:
             with pytest.raises(PermissionDeniedError):
-                op.run(client, queue)
+                op.run(who, queue)
         with pytest.raises(PermissionDeniedError):
-            client.list_config()
+            who.sdk.list_config()
 
 
 def test_config_needs_admin_on_every_queue(admin: Client, secured: ServerProcess) -> None:
@@ -354,10 +512,10 @@ def test_dlq_is_covered_by_its_queue(admin: Client, secured: ServerProcess) -> N
         assert message.payload == b"poison"
         client.ack(f"{queue}.dlq", message.id)
         dead.close()
-    with as_key(secured, dlq_only) as client, pytest.raises(PermissionDeniedError):
-        _enqueue(client, queue)
-    with as_key(secured, dlq_only) as client, pytest.raises(PermissionDeniedError):
-        _ack(client, queue)
+    with as_key_raw(secured, dlq_only) as who, pytest.raises(PermissionDeniedError):
+        _consume(who, queue)
+    with as_key_raw(secured, dlq_only) as who, pytest.raises(PermissionDeniedError):
+        _ack(who, queue)
 
 
 def test_bad_acl_is_invalid_argument_and_changes_nothing(
@@ -547,6 +705,47 @@ def test_revocation_ends_open_consume_stream(admin: Client, secured: ServerProce
             await survivor.aclose()
 
     asyncio.run(scenario())
+
+
+def test_revocation_ends_the_batch_streams(admin: Client, secured: ServerProcess) -> None:
+    """StreamConsume ends at once; StreamEnqueue refuses its next request and ends."""
+    queue = unique("revs")
+    admin.create_queue(queue)
+    key = new_key(admin, f"consume:{queue}", f"produce:{queue}")
+    admin.enqueue(queue, None, b"one")
+    md = (("authorization", f"Bearer {key.key}"),)
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(secured.addr) as channel:
+            svc = service_pb2_grpc.FilaServiceStub(channel)
+            consuming = svc.StreamConsume(metadata=md)
+            await consuming.write(service_pb2.StreamConsumeRequest(queue=queue))
+            first = await asyncio.wait_for(consuming.read(), 5)
+            assert first.message.payload == b"one"
+            producing = svc.StreamEnqueue(metadata=md)
+            message = service_pb2.EnqueueRequest(queue=queue, payload=b"two")
+            await producing.write(
+                service_pb2.StreamEnqueueRequest(sequence_number=1, messages=[message])
+            )
+            assert (await asyncio.wait_for(producing.read(), 5)).results[0].message_id
+            started = time.monotonic()
+            await asyncio.to_thread(admin.revoke_api_key, key.key_id)
+            with pytest.raises(grpc.aio.AioRpcError) as ended:
+                while True:  # keepalives aside, the next thing is the end of the stream
+                    await asyncio.wait_for(consuming.read(), 5)
+            assert ended.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            assert time.monotonic() - started < 1.0
+            await producing.write(
+                service_pb2.StreamEnqueueRequest(sequence_number=2, messages=[message])
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                while True:
+                    await asyncio.wait_for(producing.read(), 5)
+            assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+
+    asyncio.run(scenario())
+    # "one" went back to the queue with the ended stream; only "two" was stored after it.
+    assert admin.get_stats(queue).depth == 2
 
 
 def test_keys_and_acls_survive_restart_and_kill_9(server_factory: ServerFactory) -> None:
