@@ -6,7 +6,8 @@ in flight, a valid key) for `--baseline-s` seconds, then while a separate attack
 process sends `--attack-keys` Enqueue calls with random wrong keys, `--concurrency`
 in flight over up to 50 connections, then again for `--baseline-s` seconds. Prints
 the legitimate client's p50/p99/max in each phase (the two quiet phases show how
-noisy the machine is) and how long the attack took.
+noisy the machine is), the broker's CPU use in each phase (what the attack costs
+the broker, whatever else the machine is doing) and how long the attack took.
 
     .venv/bin/python scripts/auth_flood.py                 # 1,000 wrong keys, 50 in flight
     .venv/bin/python scripts/auth_flood.py --concurrency 1000   # all at once
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import secrets
 import statistics
 import sys
@@ -95,17 +97,40 @@ def attack(addr: str, keys: int, concurrency: int, started: object, result: obje
     result.put(asyncio.run(run()))  # type: ignore[attr-defined]
 
 
-def report(label: str, samples: list[tuple[float, float]]) -> None:
+def cpu_seconds(pid: int) -> float:
+    """The broker's user + system CPU time so far (Linux /proc)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+class Phase:
+    """Wall time and broker CPU time of one phase: CPU is what the attack costs the
+    broker regardless of how busy the rest of the machine is."""
+
+    def __init__(self, pid: int) -> None:
+        self._pid = pid
+        self._wall = time.perf_counter()
+        self._cpu = cpu_seconds(pid)
+
+    def end(self) -> tuple[float, float]:
+        return time.perf_counter() - self._wall, cpu_seconds(self._pid) - self._cpu
+
+
+def report(label: str, samples: list[tuple[float, float]], wall: float, cpu: float) -> None:
     latencies = [ms for _, ms in samples]
     print(
-        f"legit client {label:22s}: n={len(latencies):6d}  "
-        f"p50={statistics.median(latencies):.3f} ms  p99={percentile(latencies, 0.99):.3f} ms  "
-        f"max={max(latencies):.3f} ms"
+        f"legit client {label:18s}: n={len(latencies):6d}  "
+        f"p50={statistics.median(latencies):7.3f} ms  p99={percentile(latencies, 0.99):8.3f} ms  "
+        f"max={max(latencies):8.3f} ms | broker CPU {100 * cpu / wall:5.1f}% "
+        f"({1000 * cpu / len(latencies):.3f} ms per legit call)"
     )
 
 
-async def measure(args: argparse.Namespace, addr: str, key: str) -> None:
-    before = await legit(addr, key, None, args.baseline_s, warm_up=500)
+async def measure(args: argparse.Namespace, addr: str, key: str, pid: int) -> None:
+    await legit(addr, key, None, 0.0, warm_up=500)
+    phase = Phase(pid)
+    before = await legit(addr, key, None, args.baseline_s)
+    before_cost = phase.end()
     ctx = multiprocessing.get_context("spawn")
     started, done, result = ctx.Event(), asyncio.Event(), ctx.Queue()
     proc = ctx.Process(
@@ -114,6 +139,7 @@ async def measure(args: argparse.Namespace, addr: str, key: str) -> None:
     proc.start()
     await asyncio.to_thread(started.wait)
     attack_start = time.perf_counter()
+    phase = Phase(pid)
 
     async def wait_attacker() -> tuple[float, dict[str, int]]:
         out: tuple[float, dict[str, int]] = await asyncio.to_thread(result.get)
@@ -123,11 +149,14 @@ async def measure(args: argparse.Namespace, addr: str, key: str) -> None:
     during, (elapsed, codes) = await asyncio.gather(
         legit(addr, key, done, args.max_attack_s), wait_attacker()
     )
+    during_cost = phase.end()
     proc.join()
+    phase = Phase(pid)
     after = await legit(addr, key, None, args.baseline_s)
-    report("before the attack", before)
-    report("during the attack", during)
-    report("after the attack", after)
+    after_cost = phase.end()
+    report("before the attack", before, *before_cost)
+    report("during the attack", during, *during_cost)
+    report("after the attack", after, *after_cost)
     slowest = sorted(during, key=lambda s: -s[1])[:3]
     print(
         "slowest during: "
@@ -161,7 +190,7 @@ def main() -> int:
                     admin_pb2.CreateQueueRequest(name=QUEUE),
                     metadata=(("authorization", f"Bearer {boot}"),),
                 )
-            asyncio.run(measure(args, server.addr, boot))
+            asyncio.run(measure(args, server.addr, boot, server.pid))
             failures = server.log_text().count("auth failed")
             print(f"broker alive: {server.running}; 'auth failed' log lines: {failures}")
     return 0
