@@ -1,4 +1,4 @@
-"""The `fila` command: queue, runtime-config and redrive administration.
+"""The `fila` command: queues, runtime config, redrive, API keys and ACLs.
 
 A thin shell over `fila_sdk.Client`. Every expected failure (a broker error, an
 unreadable file, an unreachable broker) becomes one `fila: error: ...` line on
@@ -9,16 +9,20 @@ machine-readable results on stdout for the same reason.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+import re
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, replace
+from datetime import datetime
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeVar
 
 import click
 from rich.console import Console, RenderableType
 from rich.table import Table
 
 from fila.wire import DEFAULT_ADDR
-from fila_sdk import Client, FilaError, QueueStats
+from fila_sdk import AclPermission, ApiKeyInfo, Client, FilaError, QueueStats
 
 # An unreachable broker should fail a human's command quickly, not hang.
 CONNECT_TIMEOUT_S: Final = 3.0
@@ -290,6 +294,186 @@ def redrive(ctx: click.Context, dlq: str, count: int) -> None:
     """Move dead-lettered messages from DLQ back to their queue."""
     moved = _client(ctx).redrive(dlq, count)
     _emit(ctx, {"dlq": dlq, "redriven": moved}, f'Redrove {moved} message(s) from "{dlq}"')
+
+
+# API keys and ACLs.
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _set_json(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    if value:
+        opts = ctx.find_object(Options)
+        assert opts is not None, "the root group always sets Options"
+        ctx.obj = replace(opts, as_json=True)
+
+
+def _json_here(command: _F) -> _F:
+    """Also accept `--json` after the subcommand (`fila apikey list --json`)."""
+    option = click.option(
+        "--json",
+        is_flag=True,
+        expose_value=False,
+        callback=_set_json,
+        help="Print machine-readable JSON on stdout.",
+    )
+    return option(command)
+
+
+_DURATION_UNITS_MS: Final = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
+_DURATION_RE: Final = re.compile(r"(\d+)(ms|s|m|h|d)")
+
+
+def _duration_ms(text: str) -> int:
+    """`90d`, `12h`, `1h30m`, `45s`, `500ms` -> milliseconds."""
+    parts = _DURATION_RE.findall(text)
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise click.BadParameter(f'"{text}" is not a duration like 30d, 12h, 1h30m or 45s')
+    total = sum(int(n) * _DURATION_UNITS_MS[u] for n, u in parts)
+    if total <= 0:
+        raise click.BadParameter("the duration must be positive")
+    return total
+
+
+def _iso(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.isoformat(timespec="seconds")
+
+
+def _short_time(moment: datetime | None) -> str | None:
+    return None if moment is None else moment.astimezone().strftime("%Y-%m-%d %H:%M")
+
+
+def _key_json(info: ApiKeyInfo) -> dict[str, Any]:
+    return {
+        "key_id": info.key_id,
+        "name": info.name,
+        "created_at": _iso(info.created_at),
+        "expires_at": _iso(info.expires_at),
+        "is_superadmin": info.is_superadmin,
+    }
+
+
+def _permission(text: str) -> AclPermission:
+    try:
+        return AclPermission.parse(text)
+    except ValueError as err:
+        raise click.BadParameter(str(err), param_hint="KIND:PATTERN") from err
+
+
+@cli.group()
+def apikey() -> None:
+    """Create, list and revoke API keys (superadmin keys only)."""
+
+
+@apikey.command("create")
+@click.argument("name")
+@click.option("--superadmin", is_flag=True, help="The key bypasses ACLs and may manage keys.")
+@click.option(
+    "--expires-in",
+    metavar="DURATION",
+    help="Expire the key after this long, e.g. 90d, 12h, 1h30m (default: never).",
+)
+@_json_here
+@click.pass_context
+def apikey_create(ctx: click.Context, name: str, superadmin: bool, expires_in: str | None) -> None:
+    """Create API key NAME and print its secret (shown only this once)."""
+    expires_at = None
+    if expires_in is not None:
+        try:
+            expires_ms = _duration_ms(expires_in)
+        except click.BadParameter as err:
+            err.param_hint = "'--expires-in'"
+            raise
+        expires_at = datetime.fromtimestamp(time.time() + expires_ms / 1000).astimezone()
+    created = _client(ctx).create_api_key(name, superadmin=superadmin, expires_at=expires_at)
+    _emit(
+        ctx,
+        {
+            "key_id": created.key_id,
+            "key": created.key,
+            "name": name,
+            "is_superadmin": created.is_superadmin,
+            "expires_at": _iso(expires_at),
+        },
+        f'Created API key "{name}" (id {created.key_id}'
+        + (", superadmin" if created.is_superadmin else "")
+        + (f", expires {_iso(expires_at)}" if expires_at else "")
+        + ").",
+        "Secret (shown only now; store it safely):",
+        created.key,
+    )
+
+
+@apikey.command("list")
+@_json_here
+@click.pass_context
+def apikey_list(ctx: click.Context) -> None:
+    """List API keys (never their secrets)."""
+    keys = _client(ctx).list_api_keys()
+    table = Table()
+    # Ids are copied into other commands: never shorten them.
+    table.add_column("key id", no_wrap=True, min_width=16)
+    for header in ("name", "created", "expires", "super"):
+        table.add_column(header)
+    for k in keys:
+        table.add_row(
+            k.key_id,
+            k.name,
+            _short_time(k.created_at) or "-",
+            _short_time(k.expires_at) or "never",
+            "yes" if k.is_superadmin else "no",
+        )
+    _emit(ctx, [_key_json(k) for k in keys], table if keys else "No API keys.")
+
+
+@apikey.command("revoke")
+@click.argument("key_id")
+@_json_here
+@click.pass_context
+def apikey_revoke(ctx: click.Context, key_id: str) -> None:
+    """Revoke KEY_ID at once; its open streams end."""
+    _client(ctx).revoke_api_key(key_id)
+    _emit(ctx, {"key_id": key_id, "revoked": True}, f"Revoked API key {key_id}")
+
+
+@cli.group()
+def acl() -> None:
+    """Grant and read per-queue permissions of API keys."""
+
+
+@acl.command("set")
+@click.argument("key_id")
+@click.argument("permissions", nargs=-1, required=True, metavar="KIND:PATTERN...")
+@_json_here
+@click.pass_context
+def acl_set(ctx: click.Context, key_id: str, permissions: tuple[str, ...]) -> None:
+    """Replace KEY_ID's permissions. KIND is produce, consume or admin; PATTERN is *,
+    a queue name, or prefix.* (e.g. produce:orders consume:acme.*)."""
+    parsed = [_permission(p) for p in permissions]
+    _client(ctx).set_acl(key_id, parsed)
+    _emit(
+        ctx,
+        {"key_id": key_id, "permissions": [asdict(p) for p in parsed]},
+        f"Set the ACL of {key_id}: {' '.join(map(str, parsed))}",
+    )
+
+
+@acl.command("get")
+@click.argument("key_id")
+@_json_here
+@click.pass_context
+def acl_get(ctx: click.Context, key_id: str) -> None:
+    """Show KEY_ID's permissions."""
+    got = _client(ctx).get_acl(key_id)
+    table = Table("kind", "pattern")
+    for p in got.permissions:
+        table.add_row(p.kind, p.pattern)
+    _emit(
+        ctx,
+        asdict(got),
+        f"API key {key_id}" + (" is a superadmin (bypasses ACLs)" if got.is_superadmin else ""),
+        table if got.permissions else "No permissions.",
+    )
 
 
 def main() -> None:

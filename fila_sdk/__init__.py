@@ -22,8 +22,12 @@ from .errors import (
     UnavailableError,
 )
 from .types import (
+    Acl,
+    AclPermission,
+    ApiKeyInfo,
     ConfigEntry,
     ConfigListing,
+    CreatedApiKey,
     FairnessKeyStats,
     Message,
     QueueInfo,
@@ -32,12 +36,16 @@ from .types import (
 )
 
 __all__ = [
+    "Acl",
+    "AclPermission",
+    "ApiKeyInfo",
     "ApiKeyNotFoundError",
     "AsyncClient",
     "Client",
     "ConfigEntry",
     "ConfigKeyNotFoundError",
     "ConfigListing",
+    "CreatedApiKey",
     "FairnessKeyStats",
     "FilaError",
     "InvalidArgumentError",

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Final, cast
 
 import grpc
@@ -30,6 +31,7 @@ from .errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from .types import AclPermission
 
 # The broker enforces its own payload limit (configurable above gRPC's 4 MiB
 # default), so the client must not reject a large message the broker accepted.
@@ -130,4 +132,25 @@ def queue_config(
         on_enqueue_script=on_enqueue or "",
         on_failure_script=on_failure or "",
         visibility_timeout_ms=visibility_timeout_ms or 0,
+    )
+
+
+def create_api_key_request(
+    name: str, superadmin: bool, expires_at: datetime | None
+) -> admin_pb2.CreateApiKeyRequest:
+    # A naive datetime is local time, as datetime.timestamp() reads it; 0 means never.
+    expires_at_ms = 0 if expires_at is None else int(expires_at.timestamp() * 1000)
+    return admin_pb2.CreateApiKeyRequest(
+        name=name, expires_at_ms=expires_at_ms, is_superadmin=superadmin
+    )
+
+
+def set_acl_request(
+    key_id: str, permissions: Iterable[AclPermission | str]
+) -> admin_pb2.SetAclRequest:
+    """`permissions` as `AclPermission`s or "kind:pattern" strings."""
+    parsed = [AclPermission.parse(p) if isinstance(p, str) else p for p in permissions]
+    return admin_pb2.SetAclRequest(
+        key_id=key_id,
+        permissions=[admin_pb2.AclPermission(kind=p.kind, pattern=p.pattern) for p in parsed],
     )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterable, Mapping
+from datetime import datetime
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -11,9 +12,25 @@ from google.protobuf.message import Message as ProtoMessage
 
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
-from ._channel import CHANNEL_OPTIONS, Settings, map_rpc_error, queue_config
+from ._channel import (
+    CHANNEL_OPTIONS,
+    Settings,
+    create_api_key_request,
+    map_rpc_error,
+    queue_config,
+    set_acl_request,
+)
 from .errors import UnavailableError
-from .types import ConfigListing, Message, QueueInfo, QueueStats
+from .types import (
+    Acl,
+    AclPermission,
+    ApiKeyInfo,
+    ConfigListing,
+    CreatedApiKey,
+    Message,
+    QueueInfo,
+    QueueStats,
+)
 
 _Req = TypeVar("_Req", bound=ProtoMessage)
 _Resp = TypeVar("_Resp", bound=ProtoMessage)
@@ -155,3 +172,29 @@ class Client:
     def redrive(self, dlq_queue: str, count: int = 0) -> int:
         request = admin_pb2.RedriveRequest(dlq_queue=dlq_queue, count=count)
         return self._unary(self._admin.Redrive, request).redriven
+
+    # API keys and ACLs (superadmins manage keys; see the broker's docs/semantics.md).
+
+    def create_api_key(
+        self, name: str, *, superadmin: bool = False, expires_at: datetime | None = None
+    ) -> CreatedApiKey:
+        """Create a key; the returned `key` is the only copy of the secret."""
+        request = create_api_key_request(name, superadmin, expires_at)
+        response = self._unary(self._admin.CreateApiKey, request)
+        return CreatedApiKey(response.key_id, response.key, response.is_superadmin)
+
+    def list_api_keys(self) -> list[ApiKeyInfo]:
+        response = self._unary(self._admin.ListApiKeys, admin_pb2.ListApiKeysRequest())
+        return [ApiKeyInfo.from_proto(k) for k in response.keys]
+
+    def revoke_api_key(self, key_id: str) -> None:
+        request = admin_pb2.RevokeApiKeyRequest(key_id=key_id)
+        self._unary(self._admin.RevokeApiKey, request)
+
+    def set_acl(self, key_id: str, permissions: Iterable[AclPermission | str]) -> None:
+        """Replace the key's permissions; strings are "kind:pattern"."""
+        self._unary(self._admin.SetAcl, set_acl_request(key_id, permissions))
+
+    def get_acl(self, key_id: str) -> Acl:
+        request = admin_pb2.GetAclRequest(key_id=key_id)
+        return Acl.from_proto(self._unary(self._admin.GetAcl, request))

@@ -7,7 +7,7 @@ application code.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -15,8 +15,12 @@ from google.protobuf.timestamp_pb2 import Timestamp
 from fila.v1 import admin_pb2, messages_pb2
 
 __all__ = [
+    "Acl",
+    "AclPermission",
+    "ApiKeyInfo",
     "ConfigEntry",
     "ConfigListing",
+    "CreatedApiKey",
     "FairnessKeyStats",
     "Message",
     "QueueInfo",
@@ -131,3 +135,75 @@ class ConfigListing:
     @classmethod
     def from_proto(cls, resp: admin_pb2.ListConfigResponse) -> ConfigListing:
         return cls(tuple(ConfigEntry(e.key, e.value) for e in resp.entries), resp.total_count)
+
+
+# API keys and ACLs.
+
+
+def _ms_time(ms: int) -> datetime | None:
+    # 0 is the wire's "never" for expires_at_ms.
+    return datetime.fromtimestamp(ms / 1000, tz=UTC) if ms else None
+
+
+@dataclass(frozen=True, slots=True)
+class CreatedApiKey:
+    """`key` is the plaintext secret, returned only by `create_api_key`: the broker keeps
+    a hash and cannot show it again. Kept out of `repr` so it does not end up in logs."""
+
+    key_id: str
+    key: str = field(repr=False)
+    is_superadmin: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKeyInfo:
+    key_id: str
+    name: str
+    created_at: datetime | None
+    expires_at: datetime | None  # None: never expires
+    is_superadmin: bool
+
+    @classmethod
+    def from_proto(cls, info: admin_pb2.ApiKeyInfo) -> ApiKeyInfo:
+        return cls(
+            info.key_id,
+            info.name,
+            _ms_time(info.created_at_ms),
+            _ms_time(info.expires_at_ms),
+            info.is_superadmin,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AclPermission:
+    """`kind` is produce, consume or admin; `pattern` is "*", a queue name or "prefix.*"."""
+
+    kind: str
+    pattern: str
+
+    @classmethod
+    def parse(cls, text: str) -> AclPermission:
+        """`"produce:orders.*"` -> AclPermission("produce", "orders.*"); the broker
+        validates kind and pattern."""
+        kind, sep, pattern = text.partition(":")
+        if not sep or not kind or not pattern:
+            raise ValueError(f'permission "{text}" is not KIND:PATTERN (e.g. produce:orders)')
+        return cls(kind, pattern)
+
+    def __str__(self) -> str:
+        return f"{self.kind}:{self.pattern}"
+
+
+@dataclass(frozen=True, slots=True)
+class Acl:
+    key_id: str
+    permissions: tuple[AclPermission, ...]
+    is_superadmin: bool
+
+    @classmethod
+    def from_proto(cls, resp: admin_pb2.GetAclResponse) -> Acl:
+        return cls(
+            resp.key_id,
+            tuple(AclPermission(p.kind, p.pattern) for p in resp.permissions),
+            resp.is_superadmin,
+        )

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from fila.core.consumers import Consumer
 from fila.core.drr import FairnessKey
-from fila.core.errors import Unavailable
+from fila.core.errors import BrokerError, Unavailable
 from fila.core.frames import batch_frame, single_frame
 
 if TYPE_CHECKING:
@@ -64,7 +64,7 @@ class Delivery:
         self.broker.mark_dirty(queue)
         return consumer
 
-    def detach_consumer(self, consumer: Consumer, reason: Unavailable | None = None) -> None:
+    def detach_consumer(self, consumer: Consumer, reason: BrokerError | None = None) -> None:
         """The stream ended (or must end, for `reason`): messages it never sent go
         straight back; sent ones stay leased, except on a stream that settles its own
         (StreamConsume), whose delivered messages come back as failed attempts."""

@@ -71,3 +71,16 @@ class Unavailable(BrokerError):
 
 class Unimplemented(BrokerError):
     kind = ErrorKind.UNIMPLEMENTED
+
+
+class ApiKeyNotFound(BrokerError):
+    kind = ErrorKind.API_KEY_NOT_FOUND
+
+    def __init__(self, key_id: str) -> None:
+        super().__init__(f'API key "{clip(key_id)}" not found')
+
+
+class Unauthenticated(BrokerError):
+    """The caller's API key is missing, unknown, revoked or expired (never names the key)."""
+
+    kind = ErrorKind.UNAUTHENTICATED

@@ -1,4 +1,5 @@
-"""`fila.v1.FilaAdmin`: queue admin, runtime config, redrive, stats, peek and purge.
+"""`fila.v1.FilaAdmin`: queue admin, runtime config, redrive, stats, peek, purge, API keys
+and ACLs (kept by `fila.security.keyring.Keyring`).
 
 Registered like the hot path (see `fila.server.rpc`), so an undecodable request
 gets INVALID_ARGUMENT here too.
@@ -11,8 +12,8 @@ from typing import Any
 import grpc
 
 from fila.core.broker import Broker
-from fila.core.errors import Unimplemented
-from fila.server import rpc
+from fila.security.keyring import Keyring
+from fila.server import access, rpc
 from fila.server.rpc import Context
 from fila.v1 import admin_pb2
 
@@ -20,8 +21,9 @@ SERVICE_NAME = "fila.v1.FilaAdmin"
 
 
 class FilaAdmin:
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, keyring: Keyring) -> None:
         self._broker = broker
+        self._keyring = keyring
 
     async def create_queue(
         self, request: admin_pb2.CreateQueueRequest, context: Context
@@ -52,6 +54,7 @@ class FilaAdmin:
                 active_consumers=len(queue.consumers),
             )
             for queue in self._broker.admin.list_queues()
+            if access.may_see(queue.name)
         ]
         return admin_pb2.ListQueuesResponse(queues=infos, cluster_node_count=1)
 
@@ -132,8 +135,58 @@ class FilaAdmin:
         await committed
         return admin_pb2.PurgeQueueResponse(purged=count)
 
-    async def security_pending(self, request: Any, context: Context) -> Any:
-        raise Unimplemented("API keys and ACLs are not available in this release")
+    async def create_api_key(
+        self, request: admin_pb2.CreateApiKeyRequest, context: Context
+    ) -> admin_pb2.CreateApiKeyResponse:
+        record, key, committed = self._keyring.create(
+            access.current(), request.name, request.expires_at_ms, request.is_superadmin
+        )
+        await committed
+        return admin_pb2.CreateApiKeyResponse(
+            key_id=record.key_id, key=key, is_superadmin=record.is_superadmin
+        )
+
+    async def revoke_api_key(
+        self, request: admin_pb2.RevokeApiKeyRequest, context: Context
+    ) -> admin_pb2.RevokeApiKeyResponse:
+        await self._keyring.revoke(access.current(), request.key_id)
+        return admin_pb2.RevokeApiKeyResponse()
+
+    async def list_api_keys(
+        self, request: admin_pb2.ListApiKeysRequest, context: Context
+    ) -> admin_pb2.ListApiKeysResponse:
+        return admin_pb2.ListApiKeysResponse(
+            keys=[
+                admin_pb2.ApiKeyInfo(
+                    key_id=r.key_id,
+                    name=r.name,
+                    created_at_ms=r.created_at_ms,
+                    expires_at_ms=r.expires_at_ms,
+                    is_superadmin=r.is_superadmin,
+                )
+                for r in self._keyring.list_keys(access.current())
+            ]
+        )
+
+    async def set_acl(
+        self, request: admin_pb2.SetAclRequest, context: Context
+    ) -> admin_pb2.SetAclResponse:
+        pairs = [(p.kind, p.pattern) for p in request.permissions]
+        await self._keyring.set_acl(access.current(), request.key_id, pairs)
+        return admin_pb2.SetAclResponse()
+
+    async def get_acl(
+        self, request: admin_pb2.GetAclRequest, context: Context
+    ) -> admin_pb2.GetAclResponse:
+        record, permissions = self._keyring.get_acl(access.current(), request.key_id)
+        return admin_pb2.GetAclResponse(
+            key_id=record.key_id,
+            permissions=[
+                admin_pb2.AclPermission(kind=p.kind.value, pattern=p.pattern.text)
+                for p in permissions
+            ],
+            is_superadmin=record.is_superadmin,
+        )
 
     def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         a = admin_pb2
@@ -148,11 +201,11 @@ class FilaAdmin:
             "Redrive": (a.RedriveRequest, self.redrive),
             "PeekMessages": (a.PeekMessagesRequest, self.peek_messages),
             "PurgeQueue": (a.PurgeQueueRequest, self.purge_queue),
-            "CreateApiKey": (a.CreateApiKeyRequest, self.security_pending),
-            "RevokeApiKey": (a.RevokeApiKeyRequest, self.security_pending),
-            "ListApiKeys": (a.ListApiKeysRequest, self.security_pending),
-            "SetAcl": (a.SetAclRequest, self.security_pending),
-            "GetAcl": (a.GetAclRequest, self.security_pending),
+            "CreateApiKey": (a.CreateApiKeyRequest, self.create_api_key),
+            "RevokeApiKey": (a.RevokeApiKeyRequest, self.revoke_api_key),
+            "ListApiKeys": (a.ListApiKeysRequest, self.list_api_keys),
+            "SetAcl": (a.SetAclRequest, self.set_acl),
+            "GetAcl": (a.GetAclRequest, self.get_acl),
         }
         handlers = {name: rpc.unary(name, cls, fn) for name, (cls, fn) in table.items()}
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

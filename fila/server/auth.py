@@ -1,48 +1,87 @@
 """Authentication at the edge: one interceptor in front of every RPC.
 
 With `[auth] bootstrap_apikey` set, every call except health checks and
-reflection must carry `authorization: Bearer <key>`. This release knows only
-the bootstrap key (a superadmin); stored API keys and ACLs plug into
-`KeyVerifier` later without touching the services.
+reflection must carry `authorization: Bearer <key>` (the scheme is matched
+case-insensitively, as HTTP defines it). The interceptor
+
+- refuses a missing, malformed, unknown, revoked or expired key with
+  UNAUTHENTICATED before the handler runs, so a refused call changes nothing;
+  the refusal is logged (peer and key fingerprint, rate-limited) and a peer that
+  keeps failing waits longer for its answers (`fila.security.failures`);
+- otherwise binds the `Caller` for the handler (`fila.server.access`) and applies
+  the method's rule from `access.RULES`, so unary calls on one queue are
+  authorized in this one place, before their handler runs. Handlers are
+  grpc.aio coroutines or async generators; the wrapper keeps their shape.
+
+Without a bootstrap key there is no interceptor: no caller is bound and
+`fila.server.access` allows everything.
 """
 
 from __future__ import annotations
 
-import hmac
-from collections.abc import Awaitable, Callable
-from typing import Any, Protocol, TypeAlias
+import asyncio
+import inspect
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeAlias
 
 import grpc
 
-from fila.wire import ERROR_KIND_METADATA_KEY, ErrorKind
+from fila.config import AuthSection
+from fila.core.clock import SystemClock
+from fila.core.errors import Unauthenticated
+from fila.security.apikeys import fingerprint
+from fila.security.failures import FailureGuard
+from fila.security.keyring import Caller, Keyring, Refusal
+from fila.security.keystore import LocalKeyStore
+from fila.server import access
+from fila.server.access import Rule
+from fila.server.status import abort
+from fila.storage.backend import Storage
+from fila.storage.committer import Committer
 
 Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
-
-class KeyVerifier(Protocol):
-    def verify(self, presented: str) -> bool: ...
+log = logging.getLogger("fila.auth")
 
 
-class BootstrapKey:
-    def __init__(self, key: str) -> None:
-        self._key = key.encode()
+def load_keyring(storage: Storage, committer: Committer, auth: AuthSection) -> Keyring:
+    """The server's keyring with every stored key loaded (called once at startup)."""
+    keyring = Keyring(LocalKeyStore(storage, committer), SystemClock(), auth.bootstrap_apikey)
+    count = keyring.load()
+    log.info("api keys loaded count=%d auth=%s", count, keyring.auth_enabled)
+    return keyring
 
-    def verify(self, presented: str) -> bool:
-        return hmac.compare_digest(self._key, presented.encode())
+
+def auth_interceptors(keyring: Keyring) -> list[grpc.aio.ServerInterceptor]:  # type: ignore[type-arg]
+    return [AuthInterceptor(keyring)] if keyring.auth_enabled else []
 
 
-def _bearer(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+def bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | Refusal:
+    """The key in `authorization: Bearer <key>`; the scheme in any letter case."""
     for key, value in metadata or ():
-        if key == "authorization" and isinstance(value, str) and value.startswith("Bearer "):
-            return value[len("Bearer ") :].strip()
-    return None
+        if key != "authorization":
+            continue
+        parts = value.split(None, 1) if isinstance(value, str) else []
+        if len(parts) != 2 or parts[0].lower() != "bearer":
+            return Refusal.MALFORMED
+        return parts[1].strip()
+    return Refusal.MISSING
+
+
+def peer_host(peer: str) -> str:
+    """`ipv4:10.0.0.7:51234` -> `ipv4:10.0.0.7`: failures count per host, not per connection."""
+    host, sep, _port = peer.rpartition(":")
+    return host if sep and host else peer
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, verifier: KeyVerifier) -> None:
-        self._verifier = verifier
+    def __init__(self, keyring: Keyring, guard: FailureGuard | None = None) -> None:
+        self._keyring = keyring
+        self._guard = guard or FailureGuard()
 
     async def intercept_service(
         self,
@@ -53,30 +92,88 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         method = handler_call_details.method
         if handler is None or method.startswith(OPEN_SERVICES):
             return handler
-        presented = _bearer(handler_call_details.invocation_metadata)
-        if presented is None:
-            return _refusal(handler, "missing API key: send authorization: Bearer <key>")
-        if not self._verifier.verify(presented):
-            return _refusal(handler, "unknown, revoked or expired API key")
-        return handler
+        token = bearer_token(handler_call_details.invocation_metadata)
+        if isinstance(token, Refusal):
+            return self._refusal(handler, method, token, "-")
+        caller = self._keyring.authenticate(token)
+        if isinstance(caller, Refusal):
+            return self._refusal(handler, method, caller, fingerprint(token))
+        return _authorized(handler, caller, access.rule_for(method))
+
+    def _refusal(self, handler: Handler, method: str, refusal: Refusal, key_print: str) -> Handler:
+        guard = self._guard
+
+        async def deny(request: Any, context: Context) -> None:
+            peer = context.peer()
+            verdict = guard.failed(peer_host(peer))
+            if verdict.log:
+                log.warning(
+                    "auth failed peer=%s reason=%s key_fingerprint=%s method=%s delay_ms=%d "
+                    "unlogged_before=%d",
+                    peer,
+                    refusal.name.lower(),
+                    key_print,
+                    method,
+                    verdict.delay_s * 1000,
+                    verdict.unlogged_before,
+                )
+            if verdict.delay_s:
+                try:
+                    await asyncio.sleep(verdict.delay_s)
+                finally:
+                    guard.released()
+            await abort(context, Unauthenticated(refusal.value))
+
+        return _rebuild(handler, deny)
 
 
-def _refusal(handler: Handler, message: str) -> Handler:
-    async def deny(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> Any:
-        await context.abort(
-            grpc.StatusCode.UNAUTHENTICATED,
-            message,
-            trailing_metadata=((ERROR_KIND_METADATA_KEY, ErrorKind.UNAUTHENTICATED.value),),
-        )
+def _authorized(handler: Handler, caller: Caller, rule: Rule) -> Handler:
+    """`handler` with `caller` bound and `rule` checked before its behaviour runs."""
 
+    # A streamed request's items name their own queues (Scope.EACH_ITEM): nothing to read.
+    reads_request = not handler.request_streaming
+
+    async def admit(request: Any, context: Context) -> None:
+        access.bind(caller)
+        refusal = rule.check(caller, request if reads_request else None)
+        if refusal is not None:
+            await abort(context, refusal)
+
+    behaviour = _behaviour(handler)
+    if inspect.isasyncgenfunction(behaviour):
+
+        async def generate(request: Any, context: Context) -> AsyncIterator[Any]:
+            await admit(request, context)
+            async for response in behaviour(request, context):
+                yield response
+
+        return _rebuild(handler, generate)
+
+    async def run(request: Any, context: Context) -> Any:
+        await admit(request, context)
+        return await behaviour(request, context)
+
+    return _rebuild(handler, run)
+
+
+def _behaviour(handler: Handler) -> Callable[..., Any]:
+    behaviour = (
+        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
+    )
+    assert behaviour is not None
+    return behaviour
+
+
+def _rebuild(handler: Handler, behaviour: Callable[..., Any]) -> Handler:
+    """A handler of the same shape and serializers as `handler`, running `behaviour`."""
     kwargs = {
         "request_deserializer": handler.request_deserializer,
         "response_serializer": handler.response_serializer,
     }
     if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(deny, **kwargs)
+        return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
     if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(deny, **kwargs)
+        return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
     if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(deny, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(deny, **kwargs)
+        return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
+    return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)

@@ -32,7 +32,7 @@ from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import SystemClock
 from fila.core.recovery import recover
 from fila.server import admin, service
-from fila.server.auth import AuthInterceptor, BootstrapKey
+from fila.server.auth import auth_interceptors, load_keyring
 from fila.server.limits import connection_cap, raise_open_files_limit
 from fila.storage.backend import CorruptionError, RocksStorage, StorageError
 from fila.storage.committer import Committer
@@ -147,6 +147,7 @@ async def serve(config: Config) -> ExitCode:
     )
     try:
         recover(broker)
+        keyring = load_keyring(storage, committer, config.auth)
     except CorruptionError as exc:
         committer.close()
         storage.close()
@@ -157,16 +158,14 @@ async def serve(config: Config) -> ExitCode:
             ExitCode.DATA_DAMAGED,
         ) from None
 
-    interceptors = []
-    if config.auth.bootstrap_apikey:
-        interceptors.append(AuthInterceptor(BootstrapKey(config.auth.bootstrap_apikey)))
+    interceptors = auth_interceptors(keyring)
     server = grpc.aio.server(
         options=server_options(config, max_connections), interceptors=interceptors
     )
     server.add_generic_rpc_handlers(
         (
             service.FilaService(broker).generic_handler(),
-            admin.FilaAdmin(broker).generic_handler(),
+            admin.FilaAdmin(broker, keyring).generic_handler(),
         )
     )
     health_servicer = health_aio.HealthServicer()

@@ -22,7 +22,8 @@ from fila.core.broker import Broker, ItemResult
 from fila.core.consumers import Consumer
 from fila.core.errors import BrokerError, InvalidArgument
 from fila.core.frames import KEEPALIVE_FRAME, timestamp
-from fila.server import rpc
+from fila.server import access, rpc
+from fila.server.access import Kind
 from fila.server.rpc import BadRequest, Context
 from fila.server.status import OK, batch_error
 from fila.storage.backend import StorageError
@@ -55,9 +56,10 @@ class FilaService:
         self, request: service_pb2.EnqueueBatchRequest, context: Context
     ) -> service_pb2.EnqueueBatchResponse:
         self._check_batch_size(len(request.messages), "messages")
-        results, committed = self._broker.enqueue(request.messages)
+        items, merge = access.screen(Kind.PRODUCE, request.messages, _queue_of)
+        results, committed = self._broker.enqueue(items)
         await committed
-        return service_pb2.EnqueueBatchResponse(results=_enqueue_results(results))
+        return service_pb2.EnqueueBatchResponse(results=_enqueue_results(merge(results)))
 
     async def stream_enqueue(
         self,
@@ -88,9 +90,12 @@ class FilaService:
             async for request in requests:
                 if isinstance(request, BadRequest):
                     await rpc.refuse(request, "StreamEnqueue", context)
+                access.require_key()
                 try:
                     self._check_batch_size(len(request.messages), "messages", allow_empty=True)
-                    results, committed = broker.enqueue(request.messages)
+                    items, merge = access.screen(Kind.PRODUCE, request.messages, _queue_of)
+                    stored, committed = broker.enqueue(items)
+                    results = merge(stored)
                 except BrokerError as exc:
                     results = [exc] * len(request.messages)
                     committed = _done()
@@ -108,13 +113,16 @@ class FilaService:
     # -- consume -------------------------------------------------------------------
 
     async def consume(self, request: service_pb2.ConsumeRequest, context: Context) -> None:
-        consumer = self._broker.delivery.attach_consumer(
+        delivery = self._broker.delivery
+        consumer = delivery.attach_consumer(
             request.queue, prefetch=request.prefetch, max_batch=request.max_batch
         )
+        unsubscribe = access.on_key_lost(lambda reason: delivery.detach_consumer(consumer, reason))
         try:
             await self._deliver(consumer, context)
         finally:
-            self._broker.delivery.detach_consumer(consumer)
+            unsubscribe()
+            delivery.detach_consumer(consumer)
 
     async def stream_consume(
         self,
@@ -132,6 +140,7 @@ class FilaService:
         except StopAsyncIteration:
             return  # the client closed before naming a queue
         first = await rpc.checked(opening, "StreamConsume", context)
+        access.require(Kind.CONSUME, first.queue)
         consumer = broker.delivery.attach_consumer(
             first.queue,
             prefetch=first.prefetch,
@@ -163,11 +172,15 @@ class FilaService:
             consumer.close(_StreamDone("stream closed by the client"))
 
         reader = asyncio.create_task(read_settlements())
+        unsubscribe = access.on_key_lost(
+            lambda reason: broker.delivery.detach_consumer(consumer, reason)
+        )
         try:
             await self._deliver(consumer, context)
         except _StreamDone:
             pass
         finally:
+            unsubscribe()
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
@@ -206,18 +219,21 @@ class FilaService:
         self, request: service_pb2.AckBatchRequest, context: Context
     ) -> service_pb2.AckBatchResponse:
         self._check_batch_size(len(request.acks), "acks")
-        results, committed = self._broker.ack([(a.queue, a.message_id) for a in request.acks])
+        acks = [(a.queue, a.message_id) for a in request.acks]
+        items, merge = access.screen(Kind.CONSUME, acks, _first)
+        results, committed = self._broker.ack(items)
         await committed
-        return service_pb2.AckBatchResponse(results=_settle_results(results))
+        return service_pb2.AckBatchResponse(results=_settle_results(merge(results)))
 
     async def nack_batch(
         self, request: service_pb2.NackBatchRequest, context: Context
     ) -> service_pb2.NackBatchResponse:
         self._check_batch_size(len(request.nacks), "nacks")
-        items = [(n.queue, n.message_id, n.error) for n in request.nacks]
+        nacks = [(n.queue, n.message_id, n.error) for n in request.nacks]
+        items, merge = access.screen(Kind.CONSUME, nacks, _first)
         results, committed = self._broker.nack(items)
         await committed
-        return service_pb2.NackBatchResponse(results=_settle_results(results))
+        return service_pb2.NackBatchResponse(results=_settle_results(merge(results)))
 
     async def extend_lease(
         self, request: service_pb2.ExtendLeaseRequest, context: Context
@@ -279,6 +295,14 @@ def _enqueue_results(results: Sequence[ItemResult]) -> list[service_pb2.EnqueueR
 
 def _settle_results(results: Sequence[BrokerError | None]) -> list[service_pb2.BatchError]:
     return [OK if r is None else batch_error(r) for r in results]
+
+
+def _queue_of(request: service_pb2.EnqueueRequest) -> str:
+    return request.queue
+
+
+def _first(item: tuple[str, ...]) -> str:
+    return item[0]
 
 
 def _done() -> asyncio.Future[None]:

@@ -14,8 +14,9 @@ fairness key.
     l<message id 16 B>    -> lease: u64 BE deadline ms, u64 BE leased-at ms
     d<message id 16 B>    -> delayed retry: u64 BE due ms
     c<config key utf-8>   -> runtime config value utf-8
-    k<api key id utf-8>   -> API key record (security)
-    a<api key id utf-8>   -> ACL record (security)
+    k<api key id utf-8>   -> API key record JSON: name, SHA-256 digest, times, superadmin
+                             (see fila.security.apikeys; never the key itself)
+    a<api key id utf-8>   -> ACL JSON: [[kind, pattern], ...]; absent = no permissions
 
 Messages are keyed by id alone, not by queue, so dead-lettering and redrive
 rewrite one value in place instead of moving it between keys.
@@ -69,6 +70,19 @@ def config_key(key: str) -> bytes:
 
 
 def config_name_from_key(key: bytes) -> str:
+    return key[1:].decode()
+
+
+def api_key_key(key_id: str) -> bytes:
+    return API_KEY + key_id.encode()
+
+
+def acl_key(key_id: str) -> bytes:
+    return ACL + key_id.encode()
+
+
+def key_id_from_key(key: bytes) -> str:
+    """The API key id of an `api_key_key` or `acl_key`."""
     return key[1:].decode()
 
 
