@@ -1065,3 +1065,20 @@ def test_cli_apikey_and_acl_commands(secured: ServerProcess) -> None:
     assert gone.exit_code == 1 and f'API key "{key_id}" not found' in gone.stderr
     refused = _fila(secured, "queue", "list", env=as_created)
     assert refused.exit_code == 1 and "unknown or revoked API key" in refused.stderr
+
+
+def test_redrive_needs_admin_on_the_queue_it_writes_into(
+    admin: Client, secured: ServerProcess
+) -> None:
+    queue = unique("rd")
+    admin.create_queue(queue, on_failure='function on_failure(m) return {action="dlq"} end')
+    admin.enqueue(queue, None, b"poison")
+    stream = admin.consume(queue)
+    admin.nack(queue, next(stream).id, "fatal")
+    stream.close()
+    dlq_only = new_key(admin, f"admin:{queue}.dlq")
+    with as_key(secured, dlq_only) as client, pytest.raises(PermissionDeniedError):
+        client.redrive(f"{queue}.dlq")
+    both = new_key(admin, f"admin:{queue}")
+    with as_key(secured, both) as client:
+        assert client.redrive(f"{queue}.dlq") == 1

@@ -12,6 +12,7 @@ from typing import Any
 import grpc
 
 from fila.core.broker import Broker
+from fila.core.queue import DLQ_SUFFIX
 from fila.security.keyring import Keyring
 from fila.server import access, rpc
 from fila.server.rpc import Context
@@ -116,7 +117,10 @@ class FilaAdmin:
     async def redrive(
         self, request: admin_pb2.RedriveRequest, context: Context
     ) -> admin_pb2.RedriveResponse:
-        count, committed = self._broker.admin.redrive(request.dlq_queue, request.count)
+        dlq = request.dlq_queue
+        if dlq.endswith(DLQ_SUFFIX):  # redrive writes into the source queue: admin there too
+            access.require(access.Kind.ADMIN, dlq.removesuffix(DLQ_SUFFIX))
+        count, committed = self._broker.admin.redrive(dlq, request.count)
         await committed
         return admin_pb2.RedriveResponse(redriven=count)
 
