@@ -135,6 +135,21 @@ def queue_config(
     )
 
 
+# The broker's largest peek page; `peek_all` asks for full pages so that walking a
+# queue costs as few calls as possible. (Larger limits are capped by the broker.)
+MAX_PEEK_LIMIT: Final = 1000
+
+
+def peek_request(
+    queue: str, limit: int | None, after_id: str | None, fairness_key: str | None
+) -> admin_pb2.PeekMessagesRequest:
+    # 0 and "" are the wire's "not set": the broker's default page size (20), from the
+    # start of the queue, every fairness key.
+    return admin_pb2.PeekMessagesRequest(
+        queue=queue, limit=limit or 0, after_id=after_id or "", fairness_key=fairness_key or ""
+    )
+
+
 def create_api_key_request(
     name: str, superadmin: bool, expires_at: datetime | None
 ) -> admin_pb2.CreateApiKeyRequest:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Iterable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import Self, TypeVar
@@ -16,13 +16,15 @@ from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 from ._channel import (
     CHANNEL_OPTIONS,
+    MAX_PEEK_LIMIT,
     Settings,
     create_api_key_request,
     map_rpc_error,
+    peek_request,
     queue_config,
     set_acl_request,
 )
-from .errors import UnavailableError
+from .errors import QueueAlreadyExistsError, UnavailableError
 from .types import (
     Acl,
     AclPermission,
@@ -30,6 +32,7 @@ from .types import (
     ConfigListing,
     CreatedApiKey,
     Message,
+    PeekPage,
     QueueInfo,
     QueueStats,
 )
@@ -155,10 +158,22 @@ class AsyncClient:
         on_enqueue: str | None = None,
         on_failure: str | None = None,
         visibility_timeout_ms: int | None = None,
+        exist_ok: bool = False,
     ) -> str:
+        """Create queue `name` (and `name.dlq`); returns its id (the name).
+
+        With `exist_ok`, a queue of that name already existing is success, so setup
+        code can run on every start; the existing queue keeps its own hooks and
+        timeout (they are not compared with these).
+        """
         config = queue_config(on_enqueue, on_failure, visibility_timeout_ms)
         request = admin_pb2.CreateQueueRequest(name=name, config=config)
-        return (await self._unary(self._admin.CreateQueue, request)).queue_id
+        try:
+            return (await self._unary(self._admin.CreateQueue, request)).queue_id
+        except QueueAlreadyExistsError:
+            if not exist_ok:
+                raise
+            return name
 
     async def delete_queue(self, name: str) -> None:
         await self._unary(self._admin.DeleteQueue, admin_pb2.DeleteQueueRequest(queue=name))
@@ -185,6 +200,43 @@ class AsyncClient:
     async def redrive(self, dlq_queue: str, count: int = 0) -> int:
         request = admin_pb2.RedriveRequest(dlq_queue=dlq_queue, count=count)
         return (await self._unary(self._admin.Redrive, request)).redriven
+
+    async def peek(
+        self,
+        queue: str,
+        *,
+        limit: int | None = None,
+        after_id: str | None = None,
+        fairness_key: str | None = None,
+    ) -> PeekPage:
+        """One page of `queue`'s messages without leasing them; see `Client.peek`."""
+        request = peek_request(queue, limit, after_id, fairness_key)
+        return PeekPage.from_proto(await self._unary(self._admin.PeekMessages, request))
+
+    async def peek_all(
+        self,
+        queue: str,
+        *,
+        after_id: str | None = None,
+        fairness_key: str | None = None,
+        page_size: int = MAX_PEEK_LIMIT,
+    ) -> AsyncIterator[Message]:
+        """Every message of `queue` in id order, page by page; see `Client.peek_all`."""
+        after = after_id
+        while True:
+            page = await self.peek(
+                queue, limit=page_size, after_id=after, fairness_key=fairness_key
+            )
+            for message in page.messages:
+                yield message
+            if page.next_after_id is None:
+                return
+            after = page.next_after_id
+
+    async def purge(self, queue: str) -> int:
+        """Delete `queue`'s ready and delayed messages; see `Client.purge`."""
+        request = admin_pb2.PurgeQueueRequest(queue=queue)
+        return (await self._unary(self._admin.PurgeQueue, request)).purged
 
     # API keys and ACLs (superadmins manage keys; see the broker's docs/semantics.md).
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from datetime import datetime
 from types import TracebackType
 from typing import Self, TypeVar
@@ -14,13 +14,15 @@ from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 from ._channel import (
     CHANNEL_OPTIONS,
+    MAX_PEEK_LIMIT,
     Settings,
     create_api_key_request,
     map_rpc_error,
+    peek_request,
     queue_config,
     set_acl_request,
 )
-from .errors import UnavailableError
+from .errors import QueueAlreadyExistsError, UnavailableError
 from .types import (
     Acl,
     AclPermission,
@@ -28,6 +30,7 @@ from .types import (
     ConfigListing,
     CreatedApiKey,
     Message,
+    PeekPage,
     QueueInfo,
     QueueStats,
 )
@@ -143,10 +146,22 @@ class Client:
         on_enqueue: str | None = None,
         on_failure: str | None = None,
         visibility_timeout_ms: int | None = None,
+        exist_ok: bool = False,
     ) -> str:
+        """Create queue `name` (and `name.dlq`); returns its id (the name).
+
+        With `exist_ok`, a queue of that name already existing is success, so setup
+        code can run on every start; the existing queue keeps its own hooks and
+        timeout (they are not compared with these).
+        """
         config = queue_config(on_enqueue, on_failure, visibility_timeout_ms)
         request = admin_pb2.CreateQueueRequest(name=name, config=config)
-        return self._unary(self._admin.CreateQueue, request).queue_id
+        try:
+            return self._unary(self._admin.CreateQueue, request).queue_id
+        except QueueAlreadyExistsError:
+            if not exist_ok:
+                raise
+            return name
 
     def delete_queue(self, name: str) -> None:
         self._unary(self._admin.DeleteQueue, admin_pb2.DeleteQueueRequest(queue=name))
@@ -172,6 +187,56 @@ class Client:
     def redrive(self, dlq_queue: str, count: int = 0) -> int:
         request = admin_pb2.RedriveRequest(dlq_queue=dlq_queue, count=count)
         return self._unary(self._admin.Redrive, request).redriven
+
+    def peek(
+        self,
+        queue: str,
+        *,
+        limit: int | None = None,
+        after_id: str | None = None,
+        fairness_key: str | None = None,
+    ) -> PeekPage:
+        """One page of `queue`'s ready, delayed and leased messages, in id order.
+
+        Nothing is leased or changed, so browsing a queue (or a DLQ before a
+        redrive) never disturbs its consumers. `limit` defaults to the broker's
+        page size (20), at most 1,000; pass the page's `next_after_id` as
+        `after_id` for the next page; `fairness_key` keeps only that key's messages.
+        """
+        request = peek_request(queue, limit, after_id, fairness_key)
+        return PeekPage.from_proto(self._unary(self._admin.PeekMessages, request))
+
+    def peek_all(
+        self,
+        queue: str,
+        *,
+        after_id: str | None = None,
+        fairness_key: str | None = None,
+        page_size: int = MAX_PEEK_LIMIT,
+    ) -> Iterator[Message]:
+        """Every message of `queue` (after `after_id`, if given) in id order, fetched
+        a page at a time as iterated.
+
+        Each page is a consistent view of its moment, not a snapshot of the whole
+        queue: messages enqueued while iterating appear if their id sorts after the
+        current page, and messages acked meanwhile may or may not appear.
+        """
+        after = after_id
+        while True:
+            page = self.peek(queue, limit=page_size, after_id=after, fairness_key=fairness_key)
+            yield from page.messages
+            if page.next_after_id is None:
+                return
+            after = page.next_after_id
+
+    def purge(self, queue: str) -> int:
+        """Delete every ready and delayed message of `queue`; returns how many.
+
+        Leased messages are left to finish (ack, nack or expire), so a purge never
+        pulls work from under a consumer. Durable before it returns.
+        """
+        request = admin_pb2.PurgeQueueRequest(queue=queue)
+        return self._unary(self._admin.PurgeQueue, request).purged
 
     # API keys and ACLs (superadmins manage keys; see the broker's docs/semantics.md).
 

@@ -23,6 +23,7 @@ __all__ = [
     "CreatedApiKey",
     "FairnessKeyStats",
     "Message",
+    "PeekPage",
     "QueueInfo",
     "QueueStats",
     "ThrottleKeyStats",
@@ -65,6 +66,22 @@ class Message:
 
 
 @dataclass(frozen=True, slots=True)
+class PeekPage:
+    """One page of `peek`: messages in id order, and where the next page starts.
+
+    `next_after_id` is the `after_id` of the next page, or None when this page
+    reached the end of the queue.
+    """
+
+    messages: tuple[Message, ...]
+    next_after_id: str | None
+
+    @classmethod
+    def from_proto(cls, resp: admin_pb2.PeekMessagesResponse) -> PeekPage:
+        return cls(tuple(Message.from_proto(m) for m in resp.messages), resp.next_after_id or None)
+
+
+@dataclass(frozen=True, slots=True)
 class QueueInfo:
     name: str
     depth: int
@@ -82,6 +99,9 @@ class FairnessKeyStats:
     pending_count: int
     current_deficit: int
     weight: int
+    # Deliveries of this key since the broker started: its share of the queue's
+    # `delivered_total` is the share DRR gave it.
+    delivered_total: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +121,14 @@ class QueueStats:
     quantum: int
     per_key: tuple[FairnessKeyStats, ...]
     per_throttle: tuple[ThrottleKeyStats, ...]
+    # Counters since the broker started (they restart at 0 with it): two samples
+    # a known time apart give rates without a metrics system.
+    enqueued_total: int = 0
+    delivered_total: int = 0
+    acked_total: int = 0
+    nacked_total: int = 0
+    expired_total: int = 0
+    dead_lettered_total: int = 0
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.GetStatsResponse) -> QueueStats:
@@ -111,13 +139,21 @@ class QueueStats:
             active_consumers=resp.active_consumers,
             quantum=resp.quantum,
             per_key=tuple(
-                FairnessKeyStats(s.key, s.pending_count, s.current_deficit, s.weight)
+                FairnessKeyStats(
+                    s.key, s.pending_count, s.current_deficit, s.weight, s.delivered_total
+                )
                 for s in resp.per_key_stats
             ),
             per_throttle=tuple(
                 ThrottleKeyStats(s.key, s.tokens, s.rate_per_second, s.burst)
                 for s in resp.per_throttle_stats
             ),
+            enqueued_total=resp.enqueued_total,
+            delivered_total=resp.delivered_total,
+            acked_total=resp.acked_total,
+            nacked_total=resp.nacked_total,
+            expired_total=resp.expired_total,
+            dead_lettered_total=resp.dead_lettered_total,
         )
 
 
