@@ -3,18 +3,27 @@
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
-import sys
 import uuid
 from pathlib import Path
-from typing import Any
 
+import click
 import grpc
-import pytest
-from click.testing import CliRunner, Result
+from click.testing import CliRunner
+from support.cli import (
+    clean_env,
+    fails,
+    fila,
+    make_certs,
+    ok,
+    ok_json,
+    one_error_line,
+    run_fila,
+    unique,
+)
 
+from fila import __version__
 from fila.cli import cli
+from fila.cli.context import Command
 from fila.server.process import ServerProcess, free_port
 from fila_sdk import Client
 
@@ -28,36 +37,6 @@ function on_enqueue(msg)
 end
 """
 ON_FAILURE_DLQ = 'function on_failure(msg) return { action = "dlq" } end'
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def fila(server: ServerProcess | str, *args: str) -> Result:
-    addr = server if isinstance(server, str) else server.addr
-    return CliRunner().invoke(cli, ["--addr", addr, *args], prog_name="fila")
-
-
-def ok(server: ServerProcess, *args: str) -> str:
-    result = fila(server, *args)
-    assert result.exit_code == 0, (result.stdout, result.stderr, result.exception)
-    assert result.stderr == ""
-    return result.stdout
-
-
-def ok_json(server: ServerProcess, *args: str) -> Any:
-    return json.loads(ok(server, "--json", *args))
-
-
-def fails(server: ServerProcess | str, *args: str) -> str:
-    """Run a failing command; return its single stderr line."""
-    result = fila(server, *args)
-    assert result.exit_code == 1, (result.stdout, result.stderr, result.exception)
-    assert isinstance(result.exception, SystemExit)  # no uncaught exception
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("fila: error: "), result.stderr
-    return lines[0]
 
 
 def test_queue_create_list_inspect_delete(server: ServerProcess, tmp_path: Path) -> None:
@@ -116,8 +95,10 @@ def test_queue_commands_json(server: ServerProcess) -> None:
             "pending_count": 1,
             "current_deficit": stats["per_key"][0]["current_deficit"],
             "weight": 3,
+            "delivered_total": 0,
         }
     ]
+    assert stats["enqueued_total"] == 1 and stats["delivered_total"] == 0
     assert isinstance(stats["per_throttle"], list)
 
     assert ok_json(server, "queue", "delete", name) == {"name": name, "deleted": True}
@@ -177,39 +158,25 @@ def test_errors_are_one_line_and_exit_1(server: ServerProcess, tmp_path: Path) -
     fails(server, "--ca-cert", str(absent), "queue", "list")
 
 
-def test_unreachable_broker_fails_fast() -> None:
-    line = fails(f"127.0.0.1:{free_port()}", "queue", "list")
-    assert "cannot reach broker" in line
-
-
 def test_usage_errors_keep_exit_2(server: ServerProcess) -> None:
     assert fila(server, "queue", "create").exit_code == 2
     assert fila(server, "queue", "create", "q", "--visibility-timeout", "soon").exit_code == 2
 
 
 def test_subprocess_error_has_no_traceback() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "fila.cli", "--addr", f"127.0.0.1:{free_port()}", "queue", "list"],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        check=False,
-    )
+    proc = run_fila("--addr", f"127.0.0.1:{free_port()}", "queue", "list")
     assert proc.returncode == 1
     assert proc.stdout == ""
-    assert proc.stderr.count("\n") == 1 and proc.stderr.startswith("fila: error: ")
+    assert "connection refused" in one_error_line(proc.stderr)
 
 
 def test_subprocess_json_against_server(server: ServerProcess) -> None:
     name = unique("sp")
-    run = [sys.executable, "-m", "fila.cli", "--addr", server.addr, "--json"]
-    created = subprocess.run(
-        [*run, "queue", "create", name], capture_output=True, text=True, timeout=30, check=True
-    )
+    created = run_fila("--addr", server.addr, "--json", "queue", "create", name)
+    assert created.returncode == 0, created.stderr
     assert json.loads(created.stdout)["name"] == name
-    listed = subprocess.run(
-        [*run, "queue", "list"], capture_output=True, text=True, timeout=30, check=True
-    )
+    listed = run_fila("--addr", server.addr, "queue", "list", "--json")
+    assert listed.returncode == 0, listed.stderr
     assert name in {q["name"] for q in json.loads(listed.stdout)}
 
 
@@ -219,55 +186,8 @@ def test_addr_from_environment(server: ServerProcess) -> None:
     assert isinstance(json.loads(result.stdout), list)
 
 
-def _make_certs(root: Path) -> dict[str, Path]:
-    """A throwaway CA, a server cert for 127.0.0.1 and a client cert, via openssl."""
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-
-    def run(*args: str) -> None:
-        subprocess.run(["openssl", *args], cwd=root, check=True, capture_output=True)
-
-    run(
-        "req",
-        "-x509",
-        *ec,
-        "-keyout",
-        "ca.key",
-        "-out",
-        "ca.pem",
-        "-days",
-        "1",
-        "-subj",
-        "/CN=fila-test-ca",
-    )
-    (root / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
-        run("req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN={name}")
-        run(
-            "x509",
-            "-req",
-            "-in",
-            f"{name}.csr",
-            "-CA",
-            "ca.pem",
-            "-CAkey",
-            "ca.key",
-            "-CAcreateserial",
-            "-out",
-            f"{name}.pem",
-            "-days",
-            "1",
-            *ext,
-        )
-    return {
-        name: root / name
-        for name in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key")
-    }
-
-
 def test_mtls_and_api_key(tmp_path: Path) -> None:
-    certs = _make_certs(tmp_path)
+    certs = make_certs(tmp_path)
     key = "boot-" + uuid.uuid4().hex
     config = (
         f'[tls]\ncert_file = "{certs["server.pem"]}"\nkey_file = "{certs["server.key"]}"\n'
@@ -297,8 +217,101 @@ def test_mtls_and_api_key(tmp_path: Path) -> None:
         assert result.exit_code == 0, result.stderr
         assert name in {q["name"] for q in json.loads(result.stdout)}
 
-        assert "fila: error:" in fails(srv, *tls, "queue", "list")  # no API key
+        no_key = fails(srv, *tls, "queue", "list")
+        assert "missing API key" in no_key
+        assert "--api-key" in no_key and "FILA_API_KEY" in no_key
+        wrong_key = fails(srv, *tls, "--api-key", "not-the-key", "queue", "list")
+        assert "unknown or revoked API key" in wrong_key
+        assert "check the key passed with --api-key or FILA_API_KEY" in wrong_key
         # No client certificate: the broker refuses the handshake. Depending on the TLS
         # version that surfaces while connecting or on the first call; one line either way.
-        fails(srv, "--tls", "--ca-cert", str(certs["ca.pem"]), "--api-key", key, "queue", "list")
+        no_cert = fails(
+            srv, "--tls", "--ca-cert", str(certs["ca.pem"]), "--api-key", key, "queue", "list"
+        )
+        assert "requires a client certificate" in no_cert and "--client-cert" in no_cert
         assert "together" in fails(srv, "--client-cert", str(certs["client.pem"]), "queue", "list")
+
+
+def test_version() -> None:
+    for run in (CliRunner().invoke(cli, ["--version"]), run_fila("--version")):
+        exit_code = run.exit_code if hasattr(run, "exit_code") else run.returncode
+        assert exit_code == 0
+        assert run.stdout == f"fila {__version__}\n"
+
+
+def _leaf_commands(group: click.Group, path: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    found: list[tuple[str, ...]] = []
+    for name, command in group.commands.items():
+        if isinstance(command, click.Group):
+            found += _leaf_commands(command, (*path, name))
+        else:
+            found.append((*path, name))
+    return found
+
+
+def test_every_command_takes_json_after_its_name() -> None:
+    """Structure, so a command added later (in any group) cannot miss the flag."""
+    assert isinstance(cli, click.Group)
+    leaves = _leaf_commands(cli)
+    assert len(leaves) >= 18
+    for path in leaves:
+        command = cli
+        for name in path:
+            assert isinstance(command, click.Group)
+            command = command.commands[name]
+        assert isinstance(command, Command), path
+        assert any("--json" in p.opts for p in command.params), path
+
+
+def test_json_before_and_after_the_subcommand(server: ServerProcess, tmp_path: Path) -> None:
+    """The same command with --json in either position prints the same document."""
+    name = unique("pos")
+    dlq = f"{name}.dlq"
+    assert ok_json(server, "queue", "create", name)["name"] == name
+    payload = tmp_path / "p.txt"
+    payload.write_text("from a file")
+    enqueued = json.loads(ok(server, "enqueue", name, f"@{payload}", "--json"))
+    assert enqueued["queue"] == name and enqueued["message_id"]
+    ok(server, "config", "set", f"{name}.k", "v", "--json")
+    both = [
+        ("queue", "list"),
+        ("queue", "inspect", name),
+        ("queue", "peek", name),
+        ("queue", "peek", dlq),
+        ("config", "get", f"{name}.k"),
+        ("config", "list", "--prefix", name),
+        ("redrive", dlq),
+        ("health",),
+    ]
+    for args in both:
+        before = ok_json(server, *args)
+        after = json.loads(ok(server, *args, "--json"))
+        if args[:2] == ("queue", "list"):
+            before = [q for q in before if q["name"].startswith(name)]
+            after = [q for q in after if q["name"].startswith(name)]
+        assert before == after, args
+    assert json.loads(ok(server, "queue", "purge", dlq, "--yes", "--json")) == {
+        "queue": dlq,
+        "purged": 0,
+    }
+    assert ok_json(server, "queue", "delete", name) == {"name": name, "deleted": True}
+
+
+def test_usage_errors_are_one_line_and_exit_2(server: ServerProcess) -> None:
+    line = fails(server, "queue", "list", "--jsn", code=2)
+    assert "No such option" in line and "fila queue list --help" in line
+    assert "Missing argument" in fails(server, "queue", "create", code=2)
+    assert "No such command" in fails(server, "queeu", code=2)
+    assert "--bogus" in fails(server, "--bogus", "queue", "list", code=2)
+    # A bare group still shows its help (click's behaviour), not an error line.
+    result = fila(server, "queue")
+    assert "Commands:" in result.stdout + result.stderr
+
+
+def test_grpc_core_logs_never_reach_the_terminal(server: ServerProcess) -> None:
+    """--tls against a plaintext broker makes gRPC's C core log every failed handshake
+    (with GRPC_VERBOSITY unset it prints them at INFO): the user sees one line only."""
+    proc = run_fila("--addr", server.addr, "--tls", "queue", "list", env=clean_env())
+    assert proc.returncode == 1
+    line = one_error_line(proc.stderr)
+    assert "not serving TLS" in line and "drop --tls" in line

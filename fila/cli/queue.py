@@ -1,0 +1,218 @@
+"""`fila queue ...`: create, delete, list, inspect (optionally live), peek and purge."""
+
+from __future__ import annotations
+
+import itertools
+import sys
+import time
+from typing import Any, Final
+
+import click
+
+from fila.cli import live
+from fila.cli.connection import connect
+from fila.cli.context import group
+from fila.cli.errors import Failure
+from fila.cli.files import text_or_file
+from fila.cli.output import emit, message_json, messages_table
+from fila.cli.rates import Rates, Sample, rates
+from fila.cli.views import inspect_view, queues_json, queues_table, stats_json
+from fila_sdk import Client, QueueInfo, QueueNotFoundError
+
+# The broker's largest peek page: `queue peek --count N` costs ceil(N / 1000) calls.
+PEEK_PAGE: Final = 1000
+
+
+def _watch_options(command: Any) -> Any:
+    """`--watch`, `--interval` and the hidden `--iterations` (bounded runs for tests)."""
+    for option in (
+        click.option(
+            "--iterations",
+            type=click.IntRange(min=1),
+            hidden=True,
+            help="Stop after this many refreshes.",
+        ),
+        click.option(
+            "--interval",
+            type=click.FloatRange(min=0.1),
+            default=1.0,
+            show_default=True,
+            metavar="SECONDS",
+            help="Time between refreshes in watch mode.",
+        ),
+        click.option(
+            "--watch",
+            "-w",
+            is_flag=True,
+            help="Refresh live, with rates from the broker's counters (Ctrl-C to stop).",
+        ),
+    ):
+        command = option(command)
+    return command
+
+
+@group()
+def queue() -> None:
+    """Create, list, inspect, browse, purge and delete queues."""
+
+
+@queue.command("create")
+@click.argument("name")
+@click.option("--on-enqueue", metavar="SCRIPT|@FILE", help="Lua on_enqueue hook.")
+@click.option("--on-failure", metavar="SCRIPT|@FILE", help="Lua on_failure hook.")
+@click.option(
+    "--visibility-timeout",
+    type=click.IntRange(min=1),
+    metavar="MS",
+    help="Lease duration in milliseconds (broker default 30000).",
+)
+@click.option(
+    "--exist-ok",
+    is_flag=True,
+    help="Succeed if the queue already exists (its hooks and timeout are kept).",
+)
+@click.pass_context
+def queue_create(
+    ctx: click.Context,
+    name: str,
+    on_enqueue: str | None,
+    on_failure: str | None,
+    visibility_timeout: int | None,
+    exist_ok: bool,
+) -> None:
+    """Create queue NAME and its dead-letter queue NAME.dlq."""
+    on_enqueue_script = text_or_file(on_enqueue, "on_enqueue script")
+    on_failure_script = text_or_file(on_failure, "on_failure script")
+    queue_id = connect(ctx).create_queue(
+        name,
+        on_enqueue=on_enqueue_script,
+        on_failure=on_failure_script,
+        visibility_timeout_ms=visibility_timeout,
+        exist_ok=exist_ok,
+    )
+    emit(
+        ctx,
+        {"name": name, "queue_id": queue_id},
+        f'Created queue "{name}" (dead letters go to "{name}.dlq")',
+    )
+
+
+@queue.command("delete")
+@click.argument("name")
+@click.pass_context
+def queue_delete(ctx: click.Context, name: str) -> None:
+    """Delete queue NAME with its messages and its dead-letter queue."""
+    connect(ctx).delete_queue(name)
+    emit(ctx, {"name": name, "deleted": True}, f'Deleted queue "{name}"')
+
+
+@queue.command("list")
+@_watch_options
+@click.pass_context
+def queue_list(ctx: click.Context, watch: bool, interval: float, iterations: int | None) -> None:
+    """List queues with their depth, in-flight count and consumers."""
+    client = connect(ctx)
+    if not watch:
+        queues = client.list_queues()
+        emit(ctx, queues_json(queues), queues_table(queues) if queues else "No queues.")
+        return
+    samples: dict[str, Sample] = {}
+
+    def frame() -> live.Frame:
+        queues, rated = _list_with_rates(client, samples)
+        return queues_json(queues, rated), queues_table(queues, rated)
+
+    live.watch(ctx, frame, interval=interval, iterations=iterations)
+
+
+def _list_with_rates(
+    client: Client, samples: dict[str, Sample]
+) -> tuple[list[QueueInfo], dict[str, Rates]]:
+    """ListQueues, then GetStats per queue for its counters (ListQueues has none);
+    `samples` carries each queue's previous sample from one refresh to the next."""
+    queues = client.list_queues()
+    rated: dict[str, Rates] = {}
+    for q in queues:
+        try:
+            stats = client.get_stats(q.name)
+        except QueueNotFoundError:
+            continue  # deleted since the listing
+        current = Sample(time.monotonic(), stats)
+        rated[q.name] = rates(samples.get(q.name), current)
+        samples[q.name] = current
+    for gone in samples.keys() - rated.keys():
+        del samples[gone]
+    return queues, rated
+
+
+@queue.command("inspect")
+@click.argument("name")
+@_watch_options
+@click.pass_context
+def queue_inspect(
+    ctx: click.Context, name: str, watch: bool, interval: float, iterations: int | None
+) -> None:
+    """Show live scheduling stats and counters for queue NAME."""
+    client = connect(ctx)
+    if not watch:
+        stats = client.get_stats(name)
+        emit(ctx, stats_json(name, stats), inspect_view(name, stats))
+        return
+    previous: list[Sample] = []
+
+    def frame() -> live.Frame:
+        current = Sample(time.monotonic(), client.get_stats(name))
+        rated = rates(previous[-1] if previous else None, current)
+        previous[:] = [current]
+        return stats_json(name, current.stats, rated), inspect_view(name, current.stats, rated)
+
+    live.watch(ctx, frame, interval=interval, iterations=iterations)
+
+
+@queue.command("peek")
+@click.argument("name")
+@click.option(
+    "--count",
+    "-n",
+    type=click.IntRange(min=1),
+    default=20,
+    show_default=True,
+    help="Show at most this many messages.",
+)
+@click.option("--key", metavar="FAIRNESS_KEY", help="Only messages of this fairness key.")
+@click.pass_context
+def queue_peek(ctx: click.Context, name: str, count: int, key: str | None) -> None:
+    """Show queue NAME's messages (ready, delayed and leased) in id order, without
+    leasing or changing anything; works on dead-letter queues (NAME.dlq) too."""
+    found = connect(ctx).peek_all(name, fairness_key=key, page_size=min(count, PEEK_PAGE))
+    messages = list(itertools.islice(found, count))
+    emit(
+        ctx,
+        [message_json(m) for m in messages],
+        messages_table(messages) if messages else f'No messages in "{name}".',
+    )
+
+
+@queue.command("purge")
+@click.argument("name")
+@click.option("--yes", "-y", is_flag=True, help="Purge without asking for confirmation.")
+@click.pass_context
+def queue_purge(ctx: click.Context, name: str, yes: bool) -> None:
+    """Delete every ready and delayed message of queue NAME. Leased messages are left
+    to finish (ack, nack or expire). Asks for confirmation unless --yes is given."""
+    client = connect(ctx)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise Failure(
+                f'refusing to purge "{name}" without --yes: stdin is not a terminal, so '
+                "there is no one to confirm"
+            )
+        depth = client.get_stats(name).depth
+        question = (
+            f'Delete the {depth} ready and delayed message(s) of "{name}"? '
+            "Leased messages are left to finish."
+        )
+        if not click.confirm(question, err=True):
+            raise Failure(f'purge of "{name}" cancelled; nothing was deleted')
+    purged = client.purge(name)
+    emit(ctx, {"queue": name, "purged": purged}, f'Purged {purged} message(s) from "{name}"')
