@@ -4,20 +4,22 @@ Run a broker (`./scripts/serve.sh`), create the queue with the CLI:
 
     fila queue create demo --on-enqueue @examples/tenant_fairness.lua
 
-then run this script. The noisy tenant enqueues 100 messages before the quiet
-tenant enqueues 5; a FIFO broker would deliver the quiet ones last (positions
-101-105). Fila's DRR scheduler alternates between tenants, so they arrive among
-the first dozen deliveries.
+then run this script (it talks to $FILA_ADDR, like the CLI, else localhost:5555,
+or to the address given as its first argument). The noisy tenant enqueues 100
+messages before the quiet tenant enqueues 5; a FIFO broker would deliver the quiet
+ones last (positions 101-105). Fila's DRR scheduler alternates between tenants, so
+they arrive among the first dozen deliveries.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 
 from fila_sdk import Client
 
 
-def main(addr: str = "localhost:5555", queue: str = "demo") -> None:
+def main(addr: str = os.environ.get("FILA_ADDR", "localhost:5555"), queue: str = "demo") -> None:
     with Client(addr) as client:
         for i in range(100):
             client.enqueue(queue, {"tenant": "noisy"}, f"noisy-{i}".encode())
