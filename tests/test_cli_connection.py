@@ -7,10 +7,12 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from concurrent import futures
 from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from support import ServerFactory
 from support.cli import clean_env, fails, fila, make_certs, ok, ok_json, run_fila
 
@@ -105,3 +107,23 @@ def test_health(server_factory: ServerFactory) -> None:
     )
     srv.stop()
     assert "connection refused" in fails(srv, "health")
+
+
+def test_health_not_serving_exits_1() -> None:
+    """A broker that is shutting down answers NOT_SERVING (here a bare health server)."""
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        servicer.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        addr = f"127.0.0.1:{port}"
+        result = fila(addr, "health")
+        assert result.exit_code == 1
+        assert result.stdout == "NOT_SERVING\n"
+        assert result.stderr == f"fila: error: the broker at {addr} is NOT_SERVING\n"
+        servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+        assert ok(addr, "health") == "SERVING\n"
+    finally:
+        server.stop(None)
