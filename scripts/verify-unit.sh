@@ -19,7 +19,12 @@ fi
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
 sed "s|^ExecStart=fila-server |ExecStart=$server |" deploy/fila.service > "$tmp/fila.service"
-systemd-analyze verify "$tmp/fila.service"
+# verify exits 0 on some problems (an unknown or misspelt key is only a warning that
+# systemd then ignores), so any output at all fails the check.
+if ! out="$(systemd-analyze verify "$tmp/fila.service" 2>&1)" || [[ -n "$out" ]]; then
+  printf 'verify-unit: systemd-analyze verify deploy/fila.service:\n%s\n' "$out" >&2
+  exit 1
+fi
 # --offline needs systemd >= 250; older ones only analyse loaded units
 if systemd-analyze security --help 2>/dev/null | grep -q -- '--offline'; then
   systemd-analyze security --offline=true --no-pager "$tmp/fila.service" | tail -n 1

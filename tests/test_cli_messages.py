@@ -228,12 +228,13 @@ def test_tail_prints_arrivals_and_changes_nothing(server: ServerProcess, client:
     with Running("--addr", server.addr, "tail", name, "--count", "2") as run:
         _following(run)
         first = client.enqueue(name, {"tenant": "acme"}, b"hello")
-        second = client.enqueue(name, None, b"bye")
-        lines = [run.stdout.next(DEADLINE_S), run.stdout.next(DEADLINE_S)]
+        lines = [run.stdout.next(DEADLINE_S)]
+        second = client.enqueue(name, None, b"bye")  # after the first was shown
+        lines.append(run.stdout.next(DEADLINE_S))
         assert run.wait() == 0
     assert first in lines[0] and "key=acme" in lines[0] and "tenant=acme" in lines[0]
     assert '"hello"' in lines[0] and "attempts=0" in lines[0]
-    assert second in lines[1] and '"bye"' in lines[1]
+    assert second in lines[1] and '"bye"' in lines[1]  # each message once
     assert backlog not in "".join(lines)  # what was there before is not an arrival
     stats = client.get_stats(name)
     assert (stats.depth, stats.in_flight, stats.delivered_total) == (3, 0, 0)
@@ -253,17 +254,23 @@ def test_tail_json_lines_and_ctrl_c(server: ServerProcess, client: Client) -> No
 
 
 def test_tail_of_a_dlq_shows_new_dead_letters(server: ServerProcess, client: Client) -> None:
-    """Dead letters keep their old ids, so they are found by reading the whole DLQ."""
+    """Dead letters keep the ids they had in their queue, so an arrival in a DLQ can
+    sort before what is already there: tail finds it by reading the whole DLQ."""
     name = unique("taild")
     client.create_queue(name, on_failure=DEAD_LETTER)
-    old = client.enqueue(name, None, b"dies later")
+    older = client.enqueue(name, None, b"dies second")
+    newer = client.enqueue(name, None, b"dies first")
+    stream = raw.consume(client, name, prefetch=2)
+    assert {next(stream).id, next(stream).id} == {older, newer}  # both leased
+    client.nack(name, newer, "fatal")
+    wait_until(lambda: client.get_stats(f"{name}.dlq").depth == 1, DEADLINE_S)
     with Running("--addr", server.addr, "tail", f"{name}.dlq", "-n", "1") as run:
         _following(run)
-        (message,) = _take(client, name, 1)
-        client.nack(name, message.id, "fatal")
+        client.nack(name, older, "fatal")
         line = run.stdout.next(DEADLINE_S)
         assert run.wait() == 0
-    assert old in line and "attempts=1" in line
+    stream.close()
+    assert older in line and "attempts=1" in line and newer not in line
 
 
 def test_tail_ack_consumes_the_backlog_and_new_messages(

@@ -130,7 +130,8 @@ def session(markdown: str) -> tuple[str, dict[int, Block]]:
             body = "\n".join(shell_line(line) for line in block.text.splitlines())
         else:
             code = _DEFAULT_ADDR.sub('__import__("os").environ["FILA_ADDR"]', block.text)
-            body = f"\"$README_PYTHON\" - <<'README_PYTHON_BLOCK'\n{code}README_PYTHON_BLOCK"
+            once = f"\"$README_PYTHON\" - <<'README_PYTHON_BLOCK'\n{code}README_PYTHON_BLOCK"
+            body = f"{once}\n{once}"
         following = next((b for b in listed[index + 1 :] if b.lang or b.marker), None)
         if following is not None and following.marker == "output":
             out = f'"$README_TMP/out-{block.line}.txt"'

@@ -5,13 +5,13 @@ from __future__ import annotations
 import itertools
 import sys
 import time
-from typing import Any, Final
+from typing import Final
 
 import click
 
 from fila.cli import live
 from fila.cli.connection import connect
-from fila.cli.context import group
+from fila.cli.context import F, group
 from fila.cli.errors import Failure
 from fila.cli.files import text_or_file
 from fila.cli.output import emit, message_json, messages_table
@@ -23,7 +23,7 @@ from fila_sdk import Client, QueueInfo, QueueNotFoundError
 PEEK_PAGE: Final = 1000
 
 
-def _watch_options(command: Any) -> Any:
+def _watch_options(command: F) -> F:
     """`--watch`, `--interval` and the hidden `--iterations` (bounded runs for tests)."""
     for option in (
         click.option(
