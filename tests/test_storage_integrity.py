@@ -175,4 +175,3 @@ def test_a_bit_flip_in_the_wal_after_kill_9_refuses_instead_of_dropping_acknowle
     server.start()
     with connect(server.addr) as fila:
         assert fila.stats("orders").depth == 1000
-

@@ -68,9 +68,15 @@ def _copy_readable(source: Rdict, target: Rdict, report: SalvageReport) -> None:
     it = source.iter()
     it.seek_to_first()
     last = b""
-    names = {keys.QUEUE: "queues", keys.MESSAGE: "messages", keys.LEASE: "leases",
-             keys.DELAY: "delays", keys.CONFIG: "config", keys.API_KEY: "api keys",
-             keys.ACL: "acls"}
+    names = {
+        keys.QUEUE: "queues",
+        keys.MESSAGE: "messages",
+        keys.LEASE: "leases",
+        keys.DELAY: "delays",
+        keys.CONFIG: "config",
+        keys.API_KEY: "api keys",
+        keys.ACL: "acls",
+    }
     while True:
         while _valid(it):
             key = cast(bytes, it.key())
