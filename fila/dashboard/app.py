@@ -1,0 +1,82 @@
+"""Assembles the dashboard: routes, static files, security layers, and the sampler's life.
+
+Layers, outermost first (each one a small ASGI middleware with one job):
+security headers on every answer; the Host check when bound to loopback; the
+`--auth-token` gate; CSRF on every state-changing request; then the routes.
+They wrap the whole Starlette app, so even its error pages pass through them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
+
+from fila import __version__
+from fila.dashboard.asgi import ASGIApp
+from fila.dashboard.auth import AuthMiddleware, TokenGate
+from fila.dashboard.broker import Broker, Connection
+from fila.dashboard.context import Dashboard
+from fila.dashboard.csrf import CsrfMiddleware, CsrfTokens
+from fila.dashboard.flash import Flasher
+from fila.dashboard.headers import LoopbackHostMiddleware, SecurityHeadersMiddleware
+from fila.dashboard.sampler import Sampler
+from fila.dashboard.views import apikeys, config, dlq, login, overview, queue
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    connection: Connection
+    port: int
+    loopback: bool
+    auth_token: str | None = None
+    sample_interval: float = 2.0
+    # Minutes of samples kept in memory for the charts.
+    retention: float = 600.0
+
+
+def create_app(settings: Settings) -> ASGIApp:
+    """The dashboard as one ASGI app (the broker is only contacted once it starts)."""
+    # Sessions, CSRF tokens and notices are signed with a key that lives and dies
+    # with the process: a restart logs everyone out, and nothing secret is on disk.
+    secret = secrets.token_bytes(32)
+    gate = TokenGate(settings.auth_token, secret)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        broker = Broker(settings.connection)
+        sampler = Sampler(broker, interval=settings.sample_interval, retention=settings.retention)
+        app.state.dashboard = Dashboard(broker, sampler, gate, Flasher(secret), __version__)
+        await sampler.sample()  # the first page already has data (or the banner)
+        task = asyncio.create_task(sampler.run(), name="fila-dashboard-sampler")
+        try:
+            yield
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            await broker.close()
+
+    static = StaticFiles(directory=Path(__file__).parent / "static")
+    routes = [
+        *overview.routes,
+        *queue.routes,
+        *dlq.routes,
+        *config.routes,
+        *apikeys.routes,
+        *login.routes,
+        Mount("/static", static, name="static"),
+    ]
+    app: ASGIApp = Starlette(routes=routes, lifespan=lifespan)
+    app = CsrfMiddleware(app, CsrfTokens(secret))
+    app = AuthMiddleware(app, gate)
+    if settings.loopback:
+        app = LoopbackHostMiddleware(app, settings.port)
+    return SecurityHeadersMiddleware(app)

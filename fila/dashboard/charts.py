@@ -1,0 +1,106 @@
+"""Line charts as plain SVG geometry, computed on the server.
+
+Drawing server-side keeps the page free of a charting library (no CDN, no build
+step) and of inline script (the CSP forbids it): the template turns a `Chart` into
+`<polyline>` elements, and live refresh simply swaps the fragment that holds it.
+Only numbers reach the SVG, so there is nothing to escape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Final
+
+WIDTH: Final = 600
+HEIGHT: Final = 150
+_PAD_LEFT: Final = 48
+_PAD_BOTTOM: Final = 18
+_PAD_TOP: Final = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    name: str
+    css: str  # a class of dashboard.css: the colour lives there, not in the markup
+    points: str  # "x,y x,y ..." for <polyline points=...>
+    last: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    pos: float
+    label: str
+
+
+@dataclass(frozen=True, slots=True)
+class Chart:
+    title: str
+    unit: str
+    series: tuple[Series, ...]
+    y_ticks: tuple[Tick, ...]
+    x_ticks: tuple[Tick, ...]
+    width: int = WIDTH
+    height: int = HEIGHT
+    left: int = _PAD_LEFT
+    top: int = _PAD_TOP
+    bottom: int = HEIGHT - _PAD_BOTTOM
+
+    @property
+    def empty(self) -> bool:
+        return not any(s.points for s in self.series)
+
+
+def nice_ceiling(value: float) -> float:
+    """The smallest 1, 2 or 5 times a power of ten that is >= value (axis top)."""
+    if value <= 0:
+        return 1.0
+    exponent = math.floor(math.log10(value))
+    for step in (1, 2, 5, 10):
+        candidate: float = step * 10.0**exponent
+        if candidate >= value:
+            return candidate
+    return 10.0 ** (exponent + 1)
+
+
+def _fmt(value: float) -> str:
+    if value >= 1000:
+        return f"{value / 1000:g}k"
+    return f"{value:g}"
+
+
+def line_chart(
+    title: str,
+    unit: str,
+    now: float,
+    span: float,
+    lines: Sequence[tuple[str, str, Sequence[tuple[float, float]]]],
+) -> Chart:
+    """`lines` are (name, css class, [(monotonic time, value), ...]) over the last `span` s."""
+    plot_w = WIDTH - _PAD_LEFT - 4
+    plot_h = HEIGHT - _PAD_TOP - _PAD_BOTTOM
+    top = nice_ceiling(max((v for _, _, pts in lines for _, v in pts), default=0.0))
+
+    def x(at: float) -> float:
+        return _PAD_LEFT + plot_w * (1 - min(max(now - at, 0.0), span) / span)
+
+    def y(value: float) -> float:
+        return _PAD_TOP + plot_h * (1 - value / top)
+
+    series = tuple(
+        Series(
+            name=name,
+            css=css,
+            points=" ".join(f"{x(at):.1f},{y(v):.1f}" for at, v in pts if now - at <= span),
+            last=pts[-1][1] if pts else None,
+        )
+        for name, css, pts in lines
+    )
+    y_ticks = tuple(Tick(y(top * f), _fmt(top * f)) for f in (0.0, 0.5, 1.0))
+    minutes = span / 60
+    x_ticks = tuple(
+        Tick(x(now - span * f), "now" if f == 0 else f"-{minutes * f:g} min")
+        for f in (1.0, 0.5, 0.0)
+    )
+    return Chart(title, unit, series, y_ticks, x_ticks)

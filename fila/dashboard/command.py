@@ -1,0 +1,149 @@
+"""`fila dashboard`: the click command that starts the web dashboard.
+
+Kept free of web imports at module level: the `fila` CLI can register this command
+even where the optional `dashboard` extra is not installed, and running it then
+says how to install it instead of failing at import time.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from pathlib import Path
+from typing import Final
+
+import click
+
+from fila.dashboard.broker import Connection
+from fila.wire import DEFAULT_ADDR
+
+DEFAULT_LISTEN: Final = "127.0.0.1:8080"
+# Long enough that guessing it over the network is hopeless.
+MIN_TOKEN_CHARS: Final = 16
+
+
+def parse_listen(value: str) -> tuple[str, int]:
+    """`host:port` or `[v6]:port` -> (host, port)."""
+    host, sep, port_text = value.rpartition(":")
+    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise click.BadParameter(f"expected HOST:PORT, got {value!r}", param_hint="--listen")
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    return host, int(port_text)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # any other name may resolve to a public interface
+
+
+def _read(path: str | None, what: str) -> bytes | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_bytes()
+    except OSError as err:
+        raise click.ClickException(f'cannot read {what} "{path}": {err.strerror or err}') from err
+
+
+@click.command("dashboard")
+@click.option(
+    "--listen",
+    default=DEFAULT_LISTEN,
+    show_default=True,
+    metavar="HOST:PORT",
+    help="Where the web server listens. Anything but loopback requires --auth-token.",
+)
+@click.option(
+    "--addr",
+    default=DEFAULT_ADDR,
+    show_default=True,
+    envvar="FILA_ADDR",
+    help="Broker address host:port.",
+)
+@click.option("--api-key", envvar="FILA_API_KEY", help="API key the dashboard sends to the broker.")
+@click.option("--tls", is_flag=True, help="Connect with TLS (implied by any certificate option).")
+@click.option("--ca-cert", metavar="PATH", help="CA certificate (PEM) to verify the broker.")
+@click.option("--client-cert", metavar="PATH", help="Client certificate (PEM) for mTLS.")
+@click.option("--client-key", metavar="PATH", help="Client private key (PEM) for mTLS.")
+@click.option(
+    "--auth-token",
+    envvar="FILA_DASHBOARD_TOKEN",
+    help="Token a browser must present (login form) or a script must send as Bearer.",
+)
+@click.option(
+    "--sample-interval",
+    type=click.FloatRange(min=0.2, max=60),
+    default=2.0,
+    show_default=True,
+    metavar="SECONDS",
+    help="How often the broker is sampled and open pages refresh.",
+)
+def dashboard(
+    listen: str,
+    addr: str,
+    api_key: str | None,
+    tls: bool,
+    ca_cert: str | None,
+    client_cert: str | None,
+    client_key: str | None,
+    auth_token: str | None,
+    sample_interval: float,
+) -> None:
+    """Serve the web dashboard for the broker at --addr."""
+    host, port = parse_listen(listen)
+    loopback = is_loopback(host)
+    if auth_token is not None and len(auth_token) < MIN_TOKEN_CHARS:
+        raise click.BadParameter(
+            f"must be at least {MIN_TOKEN_CHARS} characters", param_hint="--auth-token"
+        )
+    if not loopback and not auth_token:
+        raise click.UsageError(
+            f"--listen {listen} is not a loopback address: set --auth-token "
+            "(or FILA_DASHBOARD_TOKEN) so that only people with the token get in"
+        )
+    if (client_cert is None) != (client_key is None):
+        raise click.UsageError("--client-cert and --client-key must be given together")
+    connection = Connection(
+        addr=addr,
+        tls=tls,
+        ca_cert=_read(ca_cert, "CA certificate"),
+        client_cert=_read(client_cert, "client certificate"),
+        client_key=_read(client_key, "client key"),
+        api_key=api_key or None,
+    )
+    try:
+        import uvicorn
+
+        from fila.dashboard.app import Settings, create_app
+    except ImportError as err:
+        raise click.ClickException(
+            f"the dashboard needs its optional dependencies ({err.name} is missing): "
+            "pip install 'fila[dashboard]'"
+        ) from err
+    app = create_app(
+        Settings(
+            connection=connection,
+            port=port,
+            loopback=loopback,
+            auth_token=auth_token or None,
+            sample_interval=sample_interval,
+        )
+    )
+    shown = f"[{host}]" if ":" in host else host
+    click.echo(f"fila dashboard: http://{shown}:{port}/ for broker {addr}", err=True)
+    uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=host,
+            port=port,
+            lifespan="on",
+            access_log=False,
+            server_header=False,
+            proxy_headers=False,
+            log_level="info",
+        )
+    ).run()

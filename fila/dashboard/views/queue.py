@@ -1,0 +1,152 @@
+"""Queue page: fairness keys with delivery shares against weight shares, throttles, charts,
+and a paged message browser over `PeekMessages` (which leases and changes nothing)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Final
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from fila.dashboard.broker import BrokerError
+from fila.dashboard.charts import Chart, line_chart
+from fila.dashboard.context import of
+from fila.dashboard.dlqs import dlq_of, parent_of
+from fila.dashboard.history import KeyShare, QueueHistory, QueueSample, Rates
+from fila.dashboard.render import fragment, page
+from fila.dashboard.sampler import Sampler
+from fila.v1 import messages_pb2
+
+# Each key's share of deliveries is measured over this window (see history.key_shares).
+SHARE_WINDOW_S: Final = 60.0
+RATE_WINDOW_S: Final = 10.0
+PAGE_SIZE: Final = 20
+# The broker lists up to 1,000 active keys; a page shows the most backlogged ones.
+MAX_KEY_ROWS: Final = 100
+
+
+@dataclass(frozen=True, slots=True)
+class QueueView:
+    name: str
+    latest: QueueSample
+    rates: Rates | None
+    shares: list[KeyShare]
+    hidden_keys: int
+    charts: tuple[Chart, Chart]
+    dlq: str | None
+    parent: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Browser:
+    """One page of `PeekMessages`, or the broker's reason for refusing it."""
+
+    messages: list[messages_pb2.Message]
+    next_after: str
+    key: str
+    after: str
+    error: str
+
+
+def charts(history: QueueHistory, span: float) -> tuple[Chart, Chart]:
+    now = time.monotonic()
+    samples = list(history.samples)
+    depth = line_chart(
+        "Depth and in flight",
+        "messages",
+        now,
+        span,
+        [
+            ("depth", "s-depth", [(s.at, float(s.depth)) for s in samples]),
+            ("in flight", "s-inflight", [(s.at, float(s.in_flight)) for s in samples]),
+        ],
+    )
+    points = history.rate_series()
+    rates = line_chart(
+        "Rates",
+        "messages/s",
+        now,
+        span,
+        [
+            ("enqueued", "s-enq", [(p.at, p.enqueued) for p in points]),
+            ("delivered", "s-deliv", [(p.at, p.delivered) for p in points]),
+            ("acked", "s-ack", [(p.at, p.acked) for p in points]),
+        ],
+    )
+    return depth, rates
+
+
+def queue_view(sampler: Sampler, name: str) -> QueueView | None:
+    history = sampler.history(name)
+    latest = history.latest if history else None
+    if history is None or latest is None:
+        return None
+    shares = history.key_shares(SHARE_WINDOW_S)
+    shown = sorted(shares, key=lambda s: (-s.pending, s.key))[:MAX_KEY_ROWS]
+    listed = set(sampler.snapshot.queues)
+    parent = parent_of(name)
+    return QueueView(
+        name=name,
+        latest=latest,
+        rates=history.rates(RATE_WINDOW_S),
+        shares=sorted(shown, key=lambda s: s.key),
+        hidden_keys=max(0, latest.active_keys - len([s for s in shown if s.active])),
+        charts=charts(history, sampler.retention),
+        dlq=dlq_of(name) if dlq_of(name) in listed else None,
+        parent=parent if parent in listed else None,
+    )
+
+
+async def known_view(request: Request, name: str) -> QueueView | None:
+    """The queue's view; samples once more if the queue is new since the last sample."""
+    sampler = of(request).sampler
+    view = queue_view(sampler, name)
+    if view is None:
+        await sampler.sample()
+        view = queue_view(sampler, name)
+    return view
+
+
+async def browse(request: Request, queue: str) -> Browser:
+    key = request.query_params.get("key", "")
+    after = request.query_params.get("after", "")
+    try:
+        reply = await of(request).broker.peek(
+            queue, limit=PAGE_SIZE, after_id=after, fairness_key=key
+        )
+    except BrokerError as err:
+        return Browser([], "", key, after, err.message)
+    return Browser(list(reply.messages), reply.next_after_id, key, after, "")
+
+
+def not_found(request: Request, name: str) -> Response:
+    snapshot = of(request).sampler.snapshot
+    reason = (
+        f"The broker is unreachable ({snapshot.status.error}), so queue “{name}” cannot be shown."
+        if not snapshot.status.reachable
+        else f"The broker does not list a queue named “{name}” (or this dashboard's key may "
+        "not see it)."
+    )
+    return page(request, "missing.html", {"name": name, "reason": reason}, status_code=404)
+
+
+async def queue_page(request: Request) -> Response:
+    name = request.path_params["name"]
+    view = await known_view(request, name)
+    if view is None:
+        return not_found(request, name)
+    return page(request, "queue.html", {"q": view, "browser": await browse(request, name)})
+
+
+async def queue_live(request: Request) -> Response:
+    name = request.path_params["name"]
+    return fragment(request, "_queue_live.html", {"q": queue_view(of(request).sampler, name)})
+
+
+routes = [
+    Route("/queues/{name:str}", queue_page),
+    Route("/live/queues/{name:str}", queue_live),
+]
