@@ -32,6 +32,7 @@ class Series:
 class Tick:
     pos: float
     label: str
+    anchor: str = "middle"  # SVG text-anchor, so the edge labels stay inside the chart
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,9 +99,22 @@ def line_chart(
         for name, css, pts in lines
     )
     y_ticks = tuple(Tick(y(top * f), _fmt(top * f)) for f in (0.0, 0.5, 1.0))
-    minutes = span / 60
-    x_ticks = tuple(
-        Tick(x(now - span * f), "now" if f == 0 else f"-{minutes * f:g} min")
-        for f in (1.0, 0.5, 0.0)
+    x_ticks = (
+        Tick(x(now - span), f"-{_duration(span)}", "start"),
+        Tick(x(now - span / 2), f"-{_duration(span / 2)}"),
+        Tick(x(now), "now", "end"),
     )
     return Chart(title, unit, series, y_ticks, x_ticks)
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 120 else f"{seconds / 60:.3g} min"
+
+
+def span_for(oldest_age: float, retention: float, minimum: float = 60.0) -> float:
+    """The time axis: the history there is (at least a minute), up to the retention.
+
+    A dashboard started a minute ago would otherwise squeeze its only minute of data
+    into the last tenth of a ten-minute axis.
+    """
+    return max(minimum, min(retention, oldest_age))

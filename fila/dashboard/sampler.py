@@ -40,7 +40,11 @@ _STATS_CONCURRENCY: Final = 8
 
 @dataclass(frozen=True, slots=True)
 class BrokerStatus:
-    reachable: bool
+    """`ok` when the last sample succeeded; else `error` is the broker's (or gRPC's) reason,
+    and `reachable` tells a broker that refused the dashboard from one that is down."""
+
+    ok: bool
+    reachable: bool = False
     error: str = ""
     checked_at: float = 0.0
     last_ok_at: float | None = None
@@ -71,7 +75,7 @@ class Sampler:
         self.retention = retention
         self._clock = clock
         self.histories: dict[str, QueueHistory] = {}
-        self.snapshot = Snapshot(BrokerStatus(reachable=False, error="not sampled yet"))
+        self.snapshot = Snapshot(BrokerStatus(ok=False, error="not sampled yet"))
         self._lock = asyncio.Lock()
 
     async def run(self) -> None:
@@ -101,10 +105,11 @@ class Sampler:
             infos = sorted(listing.queues, key=lambda q: q.name)
             samples = await self._stats_for(infos, now)
         except BrokerError as err:
-            if previous.reachable:
-                log.warning("broker unreachable: %s", err.message)
+            if previous.ok:
+                log.warning("broker sample failed: %s", err.message)
             status = BrokerStatus(
-                reachable=False,
+                ok=False,
+                reachable=not err.unreachable,
                 error=err.message,
                 checked_at=now,
                 last_ok_at=previous.last_ok_at,
@@ -116,7 +121,11 @@ class Sampler:
         for info, sample in zip(infos, samples, strict=True):
             self.histories.setdefault(info.name, QueueHistory(self.retention)).add(sample)
         status = BrokerStatus(
-            reachable=True, checked_at=now, last_ok_at=now, node_count=listing.cluster_node_count
+            ok=True,
+            reachable=True,
+            checked_at=now,
+            last_ok_at=now,
+            node_count=listing.cluster_node_count,
         )
         return Snapshot(status, tuple(q.name for q in infos), now, sampled=True)
 

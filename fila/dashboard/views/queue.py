@@ -12,7 +12,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from fila.dashboard.broker import BrokerError
-from fila.dashboard.charts import Chart, line_chart
+from fila.dashboard.charts import Chart, line_chart, span_for
 from fila.dashboard.context import of
 from fila.dashboard.dlqs import dlq_of, parent_of
 from fila.dashboard.history import KeyShare, QueueHistory, QueueSample, Rates
@@ -51,9 +51,10 @@ class Browser:
     error: str
 
 
-def charts(history: QueueHistory, span: float) -> tuple[Chart, Chart]:
+def charts(history: QueueHistory, retention: float) -> tuple[Chart, Chart]:
     now = time.monotonic()
     samples = list(history.samples)
+    span = span_for(now - samples[0].at if samples else 0.0, retention)
     depth = line_chart(
         "Depth and in flight",
         "messages",
@@ -125,8 +126,8 @@ async def browse(request: Request, queue: str) -> Browser:
 def not_found(request: Request, name: str) -> Response:
     snapshot = of(request).sampler.snapshot
     reason = (
-        f"The broker is unreachable ({snapshot.status.error}), so queue “{name}” cannot be shown."
-        if not snapshot.status.reachable
+        f"The broker did not answer ({snapshot.status.error}), so queue “{name}” cannot be shown."
+        if not snapshot.status.ok
         else f"The broker does not list a queue named “{name}” (or this dashboard's key may "
         "not see it)."
     )

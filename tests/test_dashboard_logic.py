@@ -1,0 +1,140 @@
+"""The dashboard's pure parts, without a browser: rates, shares, charts, option rules,
+signed tokens. Fast, and they pin down the edge cases the browser tests cannot reach
+(a broker restart between two samples, a key that appears mid-window)."""
+
+from __future__ import annotations
+
+import click
+import pytest
+
+pytest.importorskip("starlette", reason="the dashboard extra is not installed")
+
+from fila.dashboard.auth import TokenGate
+from fila.dashboard.charts import line_chart, nice_ceiling, span_for
+from fila.dashboard.command import is_loopback, parse_listen
+from fila.dashboard.csrf import CsrfTokens
+from fila.dashboard.dlqs import parent_of
+from fila.dashboard.history import (
+    Counters,
+    KeyStat,
+    QueueHistory,
+    QueueSample,
+    key_shares,
+)
+from fila.dashboard.views.apikeys import parse_acl
+
+
+def sample(at: float, enq: int, deliv: int, keys: tuple[KeyStat, ...] = ()) -> QueueSample:
+    return QueueSample(
+        at=at,
+        depth=0,
+        in_flight=0,
+        consumers=0,
+        counters=Counters(enq, deliv, deliv, 0, 0, 0),
+        keys=keys,
+    )
+
+
+def test_rates_average_over_the_window() -> None:
+    history = QueueHistory(retention=600)
+    for i in range(11):
+        history.add(sample(float(i), enq=10 * i, deliv=5 * i))
+    rates = history.rates(window=4)
+    assert rates is not None
+    assert (rates.enqueued, rates.delivered, rates.span) == (10.0, 5.0, 4.0)
+
+
+def test_a_broker_restart_is_a_gap_not_a_spike() -> None:
+    history = QueueHistory(retention=600)
+    history.add(sample(0, 1000, 1000))
+    history.add(sample(1, 1100, 1100))
+    history.add(sample(2, 5, 5))  # counters went back: the broker restarted
+    history.add(sample(3, 25, 15))
+    assert [p.enqueued for p in history.rate_series()] == [100.0, 20.0]
+    rates = history.rates(window=10)
+    assert rates is not None and (rates.enqueued, rates.span) == (20.0, 1.0)
+
+
+def test_retention_drops_old_samples() -> None:
+    history = QueueHistory(retention=5)
+    for i in range(20):
+        history.add(sample(float(i), i, i))
+    assert [s.at for s in history.samples] == [14, 15, 16, 17, 18, 19]
+
+
+def test_key_shares_compare_deliveries_with_weights_of_backlogged_keys() -> None:
+    samples = [
+        sample(0, 0, 0, (KeyStat("a", 50, 0, 1, 100), KeyStat("b", 50, 0, 3, 300))),
+        sample(1, 0, 0, (KeyStat("a", 40, 0, 1, 110), KeyStat("b", 20, 0, 3, 330))),
+        # "a" drained and left the ring; "c" appeared mid-window with earlier deliveries.
+        sample(2, 0, 0, (KeyStat("b", 10, 0, 3, 340), KeyStat("c", 5, 0, 1, 70))),
+        sample(3, 0, 0, (KeyStat("b", 5, 0, 3, 345), KeyStat("c", 4, 0, 1, 75))),
+    ]
+    shares = {s.key: s for s in key_shares(samples)}
+    assert shares["a"].delivered_recent == 10 and not shares["a"].active
+    assert shares["a"].weight_share is None and shares["a"].pending == 0
+    assert shares["b"].delivered_recent == 45
+    assert shares["c"].delivered_recent == 5  # counted from its first appearance
+    assert shares["b"].delivery_share == pytest.approx(45 / 60)
+    assert shares["b"].weight_share == pytest.approx(3 / 4)
+    assert shares["c"].weight_share == pytest.approx(1 / 4)
+
+
+def test_charts_scale_to_a_round_top_and_the_history_there_is() -> None:
+    assert [nice_ceiling(v) for v in (0, 0.3, 7, 10, 11, 260, 4100)] == [
+        1.0,
+        0.5,
+        10.0,
+        10.0,
+        20.0,
+        500.0,
+        5000.0,
+    ]
+    assert span_for(5, 600) == 60 and span_for(300, 600) == 300 and span_for(900, 600) == 600
+    chart = line_chart(
+        "t", "u", now=100.0, span=60.0, lines=[("x", "c", [(40.0, 0.0), (100.0, 8.0)])]
+    )
+    assert chart.series[0].points.split() == ["48.0,132.0", "596.0,32.8"]  # top 10
+    assert [t.label for t in chart.x_ticks] == ["-60 s", "-30 s", "now"]
+
+
+@pytest.mark.parametrize(
+    ("listen", "host", "port", "loopback"),
+    [
+        ("127.0.0.1:8080", "127.0.0.1", 8080, True),
+        ("localhost:1", "localhost", 1, True),
+        ("[::1]:8080", "::1", 8080, True),
+        ("0.0.0.0:8080", "0.0.0.0", 8080, False),
+        ("dash.example:80", "dash.example", 80, False),
+    ],
+)
+def test_listen_addresses(listen: str, host: str, port: int, loopback: bool) -> None:
+    assert parse_listen(listen) == (host, port)
+    assert is_loopback(host) is loopback
+
+
+@pytest.mark.parametrize("bad", ["8080", ":8080", "host:", "host:0", "host:70000", "host:x"])
+def test_bad_listen_addresses(bad: str) -> None:
+    with pytest.raises(click.BadParameter):
+        parse_listen(bad)
+
+
+def test_session_cookie_is_not_the_token_and_tokens_are_bound_to_their_cookie() -> None:
+    gate = TokenGate("a-long-enough-token", b"k" * 32)
+    assert gate.token_matches("a-long-enough-token") and not gate.token_matches("a-long")
+    assert "a-long-enough-token" not in gate.session_value
+    assert TokenGate("a-long-enough-token", b"j" * 32).session_value != gate.session_value
+    tokens = CsrfTokens(b"k" * 32)
+    assert tokens.valid("cookie-1", tokens.token_for("cookie-1"))
+    assert not tokens.valid("cookie-2", tokens.token_for("cookie-1"))
+    assert not tokens.valid("", tokens.token_for(""))
+
+
+def test_acl_text_and_dlq_names() -> None:
+    assert parse_acl("consume orders\n\n  admin  orders.*  \n") == (
+        [("consume", "orders"), ("admin", "orders.*")],
+        "",
+    )
+    assert parse_acl("consume\n")[1].startswith("line 1:")
+    assert parent_of("orders.dlq") == "orders" and parent_of(".dlq") is None
+    assert parent_of("orders") is None
