@@ -467,6 +467,18 @@ def test_dlq_redrive_and_purge_change_the_broker(
         page.locator("#cancel").click()
         assert stats(fila, "jobs.dlq").depth == 4
 
+        # The confirmation is enforced by the server, not only offered by the page:
+        # a POST with a valid CSRF token but without it changes nothing.
+        confirm_page = page.request.get(dash.url + "/dlq/jobs.dlq/confirm/purge").text()
+        found = re.search(r'name="csrf_token" value="([0-9a-f]+)"', confirm_page)
+        assert found is not None
+        token = found.group(1)
+        unconfirmed = page.request.post(
+            dash.url + "/dlq/jobs.dlq/purge", form={"csrf_token": token}, max_redirects=0
+        )
+        assert unconfirmed.status == 303
+        assert stats(fila, "jobs.dlq").depth == 4
+
         page.locator("#purge").click()
         page.locator("#confirm").click()
         expect(page.locator("#flash")).to_have_text("Purged 4 message(s) from “jobs.dlq”.")
@@ -743,6 +755,9 @@ class _NoApiKeysAdmin(admin_pb2_grpc.FilaAdminServicer):
 
     def ListQueues(self, request: Any, context: Any) -> admin_pb2.ListQueuesResponse:
         return admin_pb2.ListQueuesResponse(cluster_node_count=1)
+
+    def ListApiKeys(self, request: Any, context: grpc.ServicerContext) -> Any:
+        context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not implemented!")
 
 
 def test_apikeys_page_says_not_available_when_the_broker_lacks_them(

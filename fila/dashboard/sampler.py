@@ -79,10 +79,24 @@ class Sampler:
         self._lock = asyncio.Lock()
 
     async def run(self) -> None:
-        """Sample forever, every `interval` seconds; cancelled by the app's lifespan."""
+        """Sample forever, every `interval` seconds; cancelled by the app's lifespan.
+
+        Broker failures are expected and become the banner (see `_take`). Anything else
+        is a bug: it is logged with its traceback and shown in the banner, and sampling
+        goes on, because a monitor that silently stops would show stale numbers as live.
+        """
         while True:
             started = self._clock()
-            await self.sample()
+            try:
+                await self.sample()
+            except Exception as exc:  # logged and shown: see the docstring
+                log.exception("sampling the broker failed")
+                self.snapshot = Snapshot(
+                    BrokerStatus(ok=False, reachable=True, error=f"dashboard error: {exc!r}"),
+                    self.snapshot.queues,
+                    self._clock(),
+                    sampled=True,
+                )
             await asyncio.sleep(max(0.0, self.interval - (self._clock() - started)))
 
     async def sample(self) -> Snapshot:

@@ -37,7 +37,8 @@ class QueueView:
     hidden_keys: int
     charts: tuple[Chart, Chart]
     dlq: str | None
-    parent: str | None
+    parent: str | None  # the queue this one is the DLQ of, by name
+    parent_listed: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,7 +89,6 @@ def queue_view(sampler: Sampler, name: str) -> QueueView | None:
     shares = history.key_shares(SHARE_WINDOW_S)
     shown = sorted(shares, key=lambda s: (-s.pending, s.key))[:MAX_KEY_ROWS]
     listed = set(sampler.snapshot.queues)
-    parent = parent_of(name)
     return QueueView(
         name=name,
         latest=latest,
@@ -97,7 +97,8 @@ def queue_view(sampler: Sampler, name: str) -> QueueView | None:
         hidden_keys=max(0, latest.active_keys - len([s for s in shown if s.active])),
         charts=charts(history, sampler.retention),
         dlq=dlq_of(name) if dlq_of(name) in listed else None,
-        parent=parent if parent in listed else None,
+        parent=parent_of(name),
+        parent_listed=parent_of(name) in listed,
     )
 
 
