@@ -14,6 +14,7 @@ run does not modify tracked files).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue as stdlib_queue
 import re
@@ -426,12 +427,14 @@ def test_peek_shows_messages_without_changing_depth_or_attempts(
         # first delivery (a peek that leased would have raised attempt counts).
         after = stats(fila, "browse")
         assert (after.depth, after.in_flight) == (22, 1)
-        fila.ack("browse", held.id)
+        # (The held message may come back as a failed attempt when its consumer goes
+        # away, and is left out: acking it first would let the broker hand that
+        # consumer one more message, which would then come back the same way.)
         leased.cancel()
         with ConsumeStream(fila.svc, "browse") as stream:
             delivered = stream.take(22, timeout=30, ack=True)
-        attempts = [m.metadata.attempt_count for m in delivered]
-        assert attempts == [0] * 22, attempts
+        attempts = [m.metadata.attempt_count for m in delivered if m.id != held.id]
+        assert len(attempts) >= 21 and set(attempts) == {0}, attempts
 
 
 # ----------------------------------------------------------------------------- DLQ page
@@ -720,6 +723,41 @@ BOOTSTRAP_KEY = "bootstrap-key-for-dashboard-tests"
 AUTH_CONFIG = f'[auth]\nbootstrap_apikey = "{BOOTSTRAP_KEY}"\n'
 
 
+class _BearerInterceptor(
+    grpc.UnaryUnaryClientInterceptor,  # type: ignore[type-arg]
+    grpc.UnaryStreamClientInterceptor,  # type: ignore[type-arg]
+    grpc.StreamStreamClientInterceptor,  # type: ignore[type-arg]
+):
+    """Adds `authorization: Bearer KEY` to every call of a test's raw stubs."""
+
+    def __init__(self, key: str) -> None:
+        self.metadata = (("authorization", f"Bearer {key}"),)
+
+    def _details(self, details: Any) -> Any:
+        return details._replace(metadata=(*(details.metadata or ()), *self.metadata))
+
+    def intercept_unary_unary(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_unary_stream(self, continuation: Any, details: Any, request: Any) -> Any:
+        return continuation(self._details(details), request)
+
+    def intercept_stream_stream(self, continuation: Any, details: Any, requests: Any) -> Any:
+        return continuation(self._details(details), requests)
+
+
+@contextlib.contextmanager
+def connect_as(addr: str, key: str) -> Iterator[Fila]:
+    """`support.stubs.connect`, sending an API key."""
+    with grpc.insecure_channel(addr) as channel:
+        authed = grpc.intercept_channel(channel, _BearerInterceptor(key))
+        yield Fila(
+            authed,
+            service_pb2_grpc.FilaServiceStub(authed),
+            admin_pb2_grpc.FilaAdminStub(authed),
+        )
+
+
 def _authed_admin(addr: str, key: str) -> tuple[grpc.Channel, admin_pb2_grpc.FilaAdminStub, Any]:
     channel = grpc.insecure_channel(addr)
     return channel, admin_pb2_grpc.FilaAdminStub(channel), (("authorization", f"Bearer {key}"),)
@@ -843,3 +881,55 @@ def test_apikeys_page_for_a_superadmin(
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED
         else:
             raise AssertionError("a revoked key still works")
+
+
+def test_dashboard_honours_the_acl_of_its_key(
+    server_factory: ServerFactory, dashboard_factory: DashboardFactory, page: Page
+) -> None:
+    """A dashboard holding a limited key sees what the key may see, and a refused action
+    shows the broker's reason. Needs API keys on the broker (skipped while UNIMPLEMENTED)."""
+    broker = server_factory(config_toml=AUTH_CONFIG)
+    with connect_as(broker.addr, BOOTSTRAP_KEY) as fila:
+        try:
+            created = fila.admin.CreateApiKey(
+                admin_pb2.CreateApiKeyRequest(name="viewer"), timeout=10
+            )
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            pytest.skip("this broker answers UNIMPLEMENTED to CreateApiKey (API keys not built)")
+        fila.admin.SetAcl(
+            admin_pb2.SetAclRequest(
+                key_id=created.key_id,
+                permissions=[admin_pb2.AclPermission(kind="consume", pattern="orders")],
+            ),
+            timeout=10,
+        )
+        fila.create_queue("orders", on_failure=DLQ_HOOK)
+        fila.create_queue("billing")
+        dead_letter(fila, "orders", 2)
+        enqueue_many(fila, "orders", 3, {})
+
+    with connect_as(broker.addr, created.key) as viewer:
+        try:
+            viewer.admin.PurgeQueue(admin_pb2.PurgeQueueRequest(queue="orders.dlq"), timeout=10)
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.PERMISSION_DENIED
+            broker_message = err.details()
+        else:
+            raise AssertionError("a consume-only key purged a queue")
+
+    dash = dashboard_factory(broker.addr, env={"FILA_API_KEY": created.key})
+    page.goto(dash.url + "/")
+    expect(page.locator('tr[data-queue="orders"] td.depth')).to_have_text("3")
+    expect(page.locator('tr[data-queue="orders"] td.dlq-depth')).to_have_text("2")
+    expect(page.locator('tr[data-queue="billing"]')).to_have_count(0)
+    # GetStats needs admin: the row says so instead of showing made-up rates.
+    expect(page.locator('tr[data-queue="orders"]')).to_contain_text("(stats refused)")
+
+    page.goto(dash.url + "/dlq/orders.dlq")
+    page.locator("#purge").click()
+    page.locator("#confirm").click()
+    expect(page.locator("#flash")).to_have_text(f"Purge refused by the broker: {broker_message}")
+    with connect_as(broker.addr, BOOTSTRAP_KEY) as fila:
+        assert stats(fila, "orders.dlq").depth == 2

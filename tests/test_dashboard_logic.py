@@ -62,6 +62,15 @@ def test_retention_drops_old_samples() -> None:
     assert [s.at for s in history.samples] == [14, 15, 16, 17, 18, 19]
 
 
+def test_per_key_stats_are_kept_for_the_share_window_only() -> None:
+    history = QueueHistory(retention=600, key_window=3)
+    for i in range(10):
+        history.add(sample(float(i), i, i, (KeyStat("a", 1, 0, 1, i),)))
+    assert [bool(s.keys) for s in history.samples] == [False] * 6 + [True] * 4
+    assert [s.at for s in history.samples] == [float(i) for i in range(10)]
+    assert history.key_shares(3)[0].delivered_recent == 3
+
+
 def test_key_shares_compare_deliveries_with_weights_of_backlogged_keys() -> None:
     samples = [
         sample(0, 0, 0, (KeyStat("a", 50, 0, 1, 100), KeyStat("b", 50, 0, 3, 300))),

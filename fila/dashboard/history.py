@@ -19,7 +19,16 @@ from __future__ import annotations
 import itertools
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Final
+
+# Rates shown as numbers are averaged over this many seconds of samples: long enough
+# to smooth a bursty producer, short enough to follow a change within a few refreshes.
+RATE_WINDOW_S: Final = 10.0
+# Each key's share of deliveries is measured over this window. Per-key stats older
+# than it are dropped from the kept samples: with up to 1,000 listed keys per queue,
+# keeping them for the whole chart history would cost far more memory than it shows.
+SHARE_WINDOW_S: Final = 60.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,17 +139,30 @@ def rate_between(earlier: QueueSample, later: QueueSample) -> Rates | None:
 
 
 class QueueHistory:
-    """The samples of one queue for the last `retention` seconds (oldest first)."""
+    """The samples of one queue for the last `retention` seconds (oldest first).
 
-    def __init__(self, retention: float) -> None:
+    Only the samples of the last `key_window` seconds keep their per-key and
+    per-throttle stats; older ones keep the queue's own numbers for the charts.
+    """
+
+    def __init__(self, retention: float, key_window: float = SHARE_WINDOW_S) -> None:
         self.retention = retention
+        self.key_window = key_window
         self.samples: deque[QueueSample] = deque()
+        self._bare = 0  # how many of the oldest samples have had their keys dropped
 
     def add(self, sample: QueueSample) -> None:
         self.samples.append(sample)
         horizon = sample.at - self.retention
         while self.samples and self.samples[0].at < horizon:
             self.samples.popleft()
+            self._bare = max(0, self._bare - 1)
+        key_horizon = sample.at - self.key_window
+        while self._bare < len(self.samples) and self.samples[self._bare].at < key_horizon:
+            old = self.samples[self._bare]
+            if old.keys or old.throttles:
+                self.samples[self._bare] = replace(old, keys=(), throttles=())
+            self._bare += 1
 
     @property
     def latest(self) -> QueueSample | None:

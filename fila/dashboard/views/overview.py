@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final
 
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -11,13 +10,9 @@ from starlette.routing import Route
 
 from fila.dashboard.context import of
 from fila.dashboard.dlqs import dlq_of, parent_of
-from fila.dashboard.history import Rates
+from fila.dashboard.history import RATE_WINDOW_S, Rates
 from fila.dashboard.render import fragment, page
 from fila.dashboard.sampler import Sampler
-
-# Rates on the overview are averaged over this many seconds of samples: long enough
-# to smooth a bursty producer, short enough to follow a change within a few refreshes.
-RATE_WINDOW_S: Final = 10.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,14 +15,18 @@ from fila.dashboard.broker import BrokerError
 from fila.dashboard.charts import Chart, line_chart, span_for
 from fila.dashboard.context import of
 from fila.dashboard.dlqs import dlq_of, parent_of
-from fila.dashboard.history import KeyShare, QueueHistory, QueueSample, Rates
+from fila.dashboard.history import (
+    RATE_WINDOW_S,
+    SHARE_WINDOW_S,
+    KeyShare,
+    QueueHistory,
+    QueueSample,
+    Rates,
+)
 from fila.dashboard.render import fragment, page
 from fila.dashboard.sampler import Sampler
 from fila.v1 import messages_pb2
 
-# Each key's share of deliveries is measured over this window (see history.key_shares).
-SHARE_WINDOW_S: Final = 60.0
-RATE_WINDOW_S: Final = 10.0
 PAGE_SIZE: Final = 20
 # The broker lists up to 1,000 active keys; a page shows the most backlogged ones.
 MAX_KEY_ROWS: Final = 100
