@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Idempotent setup: a .venv with Fila and its dev tools installed from pyproject.toml.
+# Idempotent setup: a .venv with Fila, its dashboard and its dev tools, from pyproject.toml.
 # Re-installs only when pyproject.toml changed since the last successful install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -15,9 +15,9 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 
 stamp=.venv/.fila-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d" " -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
   .venv/bin/python -m pip install --quiet --upgrade pip
-  .venv/bin/python -m pip install --quiet -e '.[dev]'
+  .venv/bin/python -m pip install --quiet -e '.[dev,dashboard]'
   echo "$want" > "$stamp"
 fi

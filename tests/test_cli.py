@@ -254,7 +254,11 @@ def test_every_command_takes_json_after_its_name() -> None:
     assert isinstance(cli, click.Group)
     leaves = _leaf_commands(cli)
     assert len(leaves) >= 18
+    # A long-running server prints no document; it takes `fila`'s connection options.
+    serving = {("dashboard",)}
     for path in leaves:
+        if path in serving:
+            continue
         command = cli
         for name in path:
             assert isinstance(command, click.Group)

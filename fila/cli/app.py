@@ -15,6 +15,7 @@ from fila.cli import acl, apikey, config, messages, queue, redrive
 from fila.cli import health as health_module
 from fila.cli.context import Group, Options
 from fila.cli.errors import UsageFailure, broker_failure
+from fila.dashboard.command import dashboard
 from fila.wire import DEFAULT_ADDR
 from fila_sdk import FilaError
 
@@ -27,6 +28,7 @@ COMMANDS: tuple[click.Command, ...] = (
     health_module.health,
     apikey.apikey,
     acl.acl,
+    dashboard,
 )
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 import click
 
@@ -47,6 +47,20 @@ def _read(path: str | None, what: str) -> bytes | None:
         return Path(path).read_bytes()
     except OSError as err:
         raise click.ClickException(f'cannot read {what} "{path}": {err.strerror or err}') from err
+
+
+def _root_options() -> dict[str, Any]:
+    """Connection options given to `fila` itself (`fila --addr X dashboard`), for those
+    this command was not given directly: the dashboard connects like every command."""
+    ctx = click.get_current_context()
+    root = ctx.find_root().obj
+    inherited: dict[str, Any] = {}
+    for name in ("addr", "api_key", "tls", "ca_cert", "client_cert", "client_key"):
+        if root is None or not hasattr(root, name):
+            continue
+        if ctx.get_parameter_source(name) is click.core.ParameterSource.DEFAULT:
+            inherited[name] = getattr(root, name)
+    return inherited
 
 
 @click.command("dashboard")
@@ -94,6 +108,13 @@ def dashboard(
     sample_interval: float,
 ) -> None:
     """Serve the web dashboard for the broker at --addr."""
+    inherited = _root_options()
+    addr = inherited.get("addr", addr)
+    api_key = inherited.get("api_key", api_key)
+    tls = inherited.get("tls", tls)
+    ca_cert = inherited.get("ca_cert", ca_cert)
+    client_cert = inherited.get("client_cert", client_cert)
+    client_key = inherited.get("client_key", client_key)
     host, port = parse_listen(listen)
     loopback = is_loopback(host)
     if auth_token is not None and len(auth_token) < MIN_TOKEN_CHARS:
