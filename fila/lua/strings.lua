@@ -21,7 +21,10 @@
 --
 -- Runs once per Lua state, before the sandbox removes anything.
 
-local patterns, charge, load_text = ...
+-- patterns.lua's module; the budget meter's charge(units); the private `load`; and
+-- optionally the most work one C pattern call may do (tests lower it to run the Lua
+-- matcher everywhere)
+local patterns, charge, load_text, limit = ...
 
 local s_find, s_match, s_gmatch, s_gsub = string.find, string.match, string.gmatch, string.gsub
 local s_rep, s_sub, s_byte, s_len = string.rep, string.sub, string.byte, string.len
@@ -32,7 +35,7 @@ local type, select, tostring, tonumber = type, select, tostring, tonumber
 local error, raw_pcall, getmetatable, pairs = error, pcall, getmetatable, pairs
 
 -- Most work one C pattern call may do, in matcher steps (about a nanosecond each).
-local LIMIT = 1e6
+local LIMIT = limit or 1e6
 
 local p_costs, p_shape, p_has_specials = patterns.costs, patterns.shape, patterns.has_specials
 
