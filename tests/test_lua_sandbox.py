@@ -27,8 +27,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-from lupa import lua54
 from lua_parity import Parity, random_case
+from lupa import lua54
 from support import ServerFactory, wait_until
 from support.stubs import Fila, connect, rpc_error
 from support.timing import TimedConsumer, rss_bytes, thread_sched
