@@ -512,21 +512,13 @@ local function parse(p, pstart)
   for j = 1, k do
     if kind[j] == CLOSE then cost[j] = 1 + (opens < MAXCAPTURES and opens or MAXCAPTURES) end
   end
-  -- to_end[j]: item j is '.' and only captures and a final '$' follow it; the value
-  -- is the cost of those captures
-  local to_end = {}
+  -- dot[j]: item j is the class '.'
+  local dot = {}
   for j = 1, k do
-    if kind[j] == SINGLE and cost[j] == 1 and byte(p, first[j] or 0) == DOT then
-      local through, m = 0, j + 1
-      while m <= k and (kind[m] == OPEN or kind[m] == CLOSE) do
-        through = through + cost[m]
-        m = m + 1
-      end
-      if m == k and kind[m] == ENDANCHOR then to_end[j] = through + 1 end
-    end
+    dot[j] = kind[j] == SINGLE and cost[j] == 1 and byte(p, first[j] or 0) == DOT
   end
   return { kind = kind, cost = cost, suffix = suffix, first = first, last = last, k = k,
-    pattern = p, disjoint = {}, to_end = to_end, balanced = balanced, may_raise = may_raise,
+    pattern = p, disjoint = {}, dot = dot, balanced = balanced, may_raise = may_raise,
     opens = opens }
 end
 
@@ -572,29 +564,39 @@ end
 -- (F), for a subject of n bytes.
 local function attempt_cost(info, n, refine)
   local kind, cost, suffix = info.kind, info.cost, info.suffix
-  local R, F, A = 1, 0, true
+  -- E: the rest matches the empty string at the end of the subject (it holds only
+  -- captures, optional items and a final '$')
+  local R, F, A, E = 1, 0, true, true
   for j = info.k, 1, -1 do
     local kd, c = kind[j], cost[j]
     if kd == OPEN or kd == CLOSE then
       R, F = c + R, c + F
-    elseif kd == ENDANCHOR or kd == FAIL then
-      R, F, A = 1, 1, false
+    elseif kd == ENDANCHOR then
+      R, F, A, E = 1, 1, false, true
+    elseif kd == FAIL then
+      R, F, A, E = 1, 1, false, false
     elseif kd == SCAN then
-      R, F, A = n + R, n + F, false
+      R, F, A, E = n + R, n + F, false, false
     else
       local sx = suffix[j]
       if sx == 0 then
-        R, F, A = c + R, c + F, false
+        R, F, A, E = c + R, c + F, false, false
       elseif sx == QUEST then
         if A then
           R = c + R
         else
           R, F = c + F + R, c + 2 * F
         end
-      elseif (sx == STAR or sx == DASH) and info.to_end[j] then
-        -- '.*' or '.-' before nothing but captures and a final '$': '.' takes every
-        -- byte, so the first try that reaches the end succeeds
-        R, F, A = (n + 2) * (c + info.to_end[j]) + 1, 0, true
+      elseif (sx == STAR or sx == DASH) and E and info.dot[j] then
+        -- '.*' or '.-' before a rest that matches empty at the end: '.' takes every
+        -- byte, so a try reaches the end and succeeds there. '.*' tries the end
+        -- first; '.-' tries each position on the way.
+        if sx == STAR then
+          R = (n + 2) * c + R
+        else
+          R = c + (n + 1) * (c + F) + R
+        end
+        F, A = 0, true
       else
         -- (each form also tests the class once before it looks at the suffix: + c)
         local stop = (not A) and refine and disjoint_stop(info, j) or nil
@@ -620,6 +622,10 @@ local function attempt_cost(info, n, refine)
       end
     end
     if R > 1e300 then return huge, huge end
+    if not (kd == OPEN or kd == CLOSE or kd == ENDANCHOR) and (kd ~= SINGLE or suffix[j] == 0
+        or suffix[j] == PLUS) then
+      E = false
+    end
   end
   if A then F = 0 end
   -- every unit above comes with at most one match() call of its own: count those too
