@@ -898,3 +898,36 @@ def _thread_cpu(fn: object) -> float:
 def test_script_size_is_bounded() -> None:
     with pytest.raises(ScriptError, match="limited to"):
         _hooks("function on_enqueue(m) return {} end --" + "x" * 300_000)
+
+
+FILL_GLOBALS = """
+local size
+local function grow() hoard[#hoard + 1] = string.rep("h", size) end
+local function grow_chain() chain = { chain } end
+function on_enqueue(m)
+  if not full then
+    -- fill the state to its cap with live data and no garbage an emergency
+    -- collection could free: big pieces first, then ever smaller ones
+    full, hoards = true, {}
+    for _, s in ipairs({ 65536, 4096, 256, 16 }) do
+      hoard, size = {}, s
+      hoards[#hoards + 1] = hoard
+      while pcall(grow) do end
+    end
+    while pcall(grow_chain) do end
+  end
+  return { fairness_key = "k" .. #m.headers.big }
+end
+"""
+
+
+def test_values_cross_into_lua_at_the_memory_cap(hostile_server: ServerProcess) -> None:
+    """A script may keep its state at the memory cap. Lupa copies arguments into Lua
+    outside any protected call, so a failed allocation there aborts the process: the
+    cap must be lifted while values cross, whatever the script holds."""
+    with connect(hostile_server.addr) as fila:
+        queue = unique("at-cap")
+        fila.create_queue(queue, on_enqueue=FILL_GLOBALS)
+        for size in (10, 20_000, 60_000):
+            fila.enqueue(queue, b"c", {"big": "b" * size})
+        assert hostile_server.running and broker_answers(fila)
