@@ -87,6 +87,7 @@ class _Hook:
     breaker: _Breaker
     counters: HookCounters = field(default_factory=HookCounters)
 
+
 # how much of a failure's text is kept in HookCounters.last_error and logged
 ERROR_TEXT_MAX = 500
 

@@ -5,7 +5,9 @@ copy happens with the state's memory cap lifted (see sandbox.lua), so its size m
 be bounded here instead: a 4 MiB nack error or an operator's very large header
 limits must not turn into megabytes of Lua strings per call. Oversized values are
 cut at a UTF-8 character boundary and end with a marker naming the original size,
-so a script (and whoever reads its output) can tell.
+so a script (and whoever reads its output) can tell. (The core already cuts a nack's
+error to 4 KiB with the same marker before it calls `on_failure`; this bound is the
+sandbox's own guarantee, whatever its caller does.)
 
 Bounds, chosen well above what the broker's defaults let through:
 - `msg.error`: 4 KiB. Error text is for humans; a nack may carry a whole stack trace.
@@ -24,7 +26,8 @@ HEADERS_MAX_BYTES = 256 * 1024
 
 
 def marker(original_bytes: int) -> bytes:
-    return f"...[truncated by fila: {original_bytes} bytes]".encode()
+    """The same marker as the core's own cut of nack errors."""
+    return f"... [truncated, {original_bytes} bytes in all]".encode()
 
 
 def clip(text: str, limit: int) -> bytes:

@@ -77,6 +77,20 @@ end
 
 local CHUNK_PREFIX = "^fila%.strings:%d+: "
 
+-- The errors of the C string and utf8 functions a wrapper calls under pcall. Raised
+-- inside this module they name no line (the sandbox loads it without line
+-- information) or one of its lines; either way they are raised again at the script's.
+local LIBRARY_ERRORS = { "^bad argument #", "^malformed pattern", "^missing '%[' after",
+  "^invalid capture index", "^invalid pattern capture", "^unfinished capture",
+  "^too many captures", "^pattern too complex", "^invalid use of '%%'",
+  "^invalid replacement value", "^initial position", "^resulting string too large" }
+local function library_error(e)
+  for i = 1, #LIBRARY_ERRORS do
+    if s_find(e, LIBRARY_ERRORS[i]) then return true end
+  end
+  return false
+end
+
 -- After raw_pcall(f, ...): the results, or the error raised as C would have raised
 -- it, naming the script's line. Must be tail-called by the wrapper the script called
 -- (`return settle(raw_pcall(...))`), so that level 2 is the script. Errors of user
@@ -89,8 +103,8 @@ local function settle(ok, ...)
       patterns.last_error = nil
       error(e, 2)
     end
-    local stripped, count = s_gsub(e, CHUNK_PREFIX, "", 1)
-    if count == 1 then error(stripped, 2) end
+    local stripped = s_gsub(e, CHUNK_PREFIX, "", 1)
+    if library_error(stripped) then error(stripped, 2) end
   end
   error(e, 0)
 end
@@ -361,7 +375,9 @@ local function gsub(s, p, repl, max_n)
   local plain_repl = tr ~= "table" or getmetatable(repl) == nil
   if total <= LIMIT and plain_repl then
     charge(total)
-    if not may_raise and tr ~= "function" and tr ~= "table" then
+    -- a replacement string raises on a bad '%' escape, and functions and tables on
+    -- a bad result: those go through settle, to name the script's line
+    if not may_raise and (tr == "number" or (tr == "string" and not s_find(repl, "%", 1, true))) then
       return s_gsub(s, p, repl, max_n)
     end
     return settle(raw_pcall(s_gsub, s, p, repl, max_n))
