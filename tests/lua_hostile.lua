@@ -48,4 +48,12 @@ return {
   xpcall_handler = [[xpcall(function() while true do end end, function() while true do end end)]],
   error_tostring = [[error(setmetatable({}, { __tostring = function() while true do end end }))]],
   print_flood = [[while true do print(string.rep("\n", 1000)) end]],
+  -- results the broker cannot use: each must fall back, not fail the request
+  utf8_key = [[do return { fairness_key = ("\u{e9}"):sub(1, 1) } end]],
+  utf8_throttle = [[do return { throttle_keys = { "ok", "\xff" } } end]],
+  nul_key = [[do return { fairness_key = "a\0b" } end]],
+  utf8_error = [[error("\xc3")]],
+  table_error = [[error({})]],
+  huge_key = [[do return { fairness_key = string.rep("k", 1e6) } end]],
+  metatable_result = [[do return setmetatable({}, { __index = function() while true do end end }) end]],
 }

@@ -1,6 +1,8 @@
 """Hostile Lua against real broker processes: no script may crash, stall or mislead it.
 
-Each hostile script goes into its own queue's `on_enqueue` (or `on_failure`). Three
+Each hostile script (patterns that backtrack, memory and copying bombs, long scans,
+escape attempts, results that are not valid UTF-8 or not usable at all; the bodies are
+in lua_hostile.lua) goes into its own queue's `on_enqueue` (or `on_failure`). Three
 enqueues must each cost the broker's event loop at most the 10 ms budget plus request
 handling (measured as the loop thread's CPU time, so a busy host does not change it),
 answer OK with the default decision, and leave the broker serving. The last test
