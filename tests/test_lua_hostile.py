@@ -5,8 +5,8 @@ escape attempts, results that are not valid UTF-8 or not usable at all; the bodi
 in lua_hostile.lua) goes into its own queue's `on_enqueue` (or `on_failure`). Three
 enqueues must each cost the broker's event loop at most the 10 ms budget plus request
 handling (measured as the loop thread's CPU time, so a busy host does not change it),
-answer OK with the default decision, and leave the broker serving. The last test
-hammers hostile queues from other clients while one connection measures a healthy
+answer OK with the default decision, and leave the broker serving. The latency test
+has another client hammer a hostile queue while one connection measures a healthy
 queue's enqueue latency, and prints the figures:
 
     ./scripts/test.sh tests/test_lua_hostile.py -k latency -s
