@@ -7,25 +7,34 @@ results fall back to defaults; the circuit breaker bypasses a failing hook for i
 cooldown and then tries it again.
 
 Most tests share one broker whose circuit breaker is effectively off
-(threshold 1,000,000), so every hostile call really runs the script.
+(threshold 1,000,000), so every hostile call really runs the script. The in-process
+tests at the end check what a server test cannot see cheaply: that the Lua pattern
+matcher and the wrappers agree with Lua's C functions on many random inputs, that
+the budget charges only the calling thread, and that no script outcome makes a hook
+raise.
 """
 
 from __future__ import annotations
 
+import random
 import statistics
 import threading
 import time
 import uuid
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+from lua_parity import Parity, random_case
 from lupa import lua54
 from support import ServerFactory, wait_until
 from support.stubs import Fila, connect, rpc_error
 from support.timing import TimedConsumer, rss_bytes, thread_sched
 
+from fila.lua.hooks import DEFAULT_ENQUEUE, DEFAULT_FAILURE, LuaLimits, QueueHooks
+from fila.lua.sandbox import ScriptError
 from fila.server.process import ServerProcess
 from fila.v1 import admin_pb2, messages_pb2, service_pb2
 
@@ -453,6 +462,7 @@ def test_bad_script_refused_at_create_queue(hostile_server: ServerProcess, case:
         assert thread_sched(hostile_server.pid)[0] - cpu_before < HOSTILE_LOOP_CPU_LIMIT_S
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, (case, err)
         assert name in (err.details() or ""), err.details()
+        assert "<python>" not in (err.details() or ""), err.details()
         names = set(fila.queue_names())
         assert name not in names and name + ".dlq" not in names
         # nothing half-created: the name is still free
@@ -585,3 +595,347 @@ def test_circuit_breaker_bypasses_then_retries(server_factory: ServerFactory) ->
         assert last_default_sent <= trip_answered + cooldown, (
             f"still bypassed {last_default_sent - trip_answered:.3f}s after the trip"
         )
+
+
+def test_compile_error_names_the_hook(hostile_server: ServerProcess) -> None:
+    """Issue 9: `on_enqueue:1: unexpected symbol near ...`, not `[string "<python>"]:1:`."""
+    with connect(hostile_server.addr) as fila:
+        for hook, script_text in (
+            ("on_enqueue", "function on_enqueue(m) return { x = } end"),
+            ("on_failure", "function on_failure(m)\n  return {\nend"),
+        ):
+            name = unique("named-" + hook.replace("_", "-"))
+            config = admin_pb2.QueueConfig(**{f"{hook}_script": script_text})
+            err = rpc_error(
+                fila.admin.CreateQueue, admin_pb2.CreateQueueRequest(name=name, config=config)
+            )
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            details = err.details() or ""
+            line = "1" if hook == "on_enqueue" else "3"
+            assert f"{hook}:{line}: unexpected symbol near" in details or (
+                f"{hook}:{line}:" in details
+            ), details
+
+
+# --------------------------------------------------------------- oversized inputs
+
+ON_FAILURE_SEES_ERROR = """
+function on_failure(m)
+  if #m.error <= 4096 and m.error:find("[truncated, ", 1, true) then
+    return { action = "dlq" }
+  end
+  if #m.error <= 4096 then return { action = "retry", delay_ms = 1 } end
+  error("error text of " .. #m.error .. " bytes reached Lua")
+end
+"""
+
+
+@pytest.mark.parametrize("error_mib", [1, 4])
+def test_huge_nack_error_is_truncated_not_fatal(
+    server_factory: ServerFactory, error_mib: int
+) -> None:
+    """Issue 6.1: a Nack error of 1 MiB or more on a queue with on_failure aborted the
+    broker (PANIC: unprotected error ... not enough memory). It must reach the hook
+    cut to 4 KiB with a marker, and the broker must carry on."""
+    server = server_factory(config_toml=NO_BREAKER)
+    with connect(server.addr) as fila:
+        fila.create_queue("big-errors", on_failure=ON_FAILURE_SEES_ERROR)
+        mid = fila.enqueue("big-errors", b"x")
+        with TimedConsumer(fila.channel, "big-errors") as consumer:
+            _, message = consumer.get(T)
+            assert message.id == mid
+            fila.svc.Nack(
+                service_pb2.NackRequest(
+                    queue="big-errors", message_id=mid, error="é" * (error_mib * 2**19)
+                ),
+                timeout=T,
+            )
+        assert server.running, "the broker died on a large nack error"
+        # the hook saw the truncated text and dead-lettered the message
+        with TimedConsumer(fila.channel, "big-errors.dlq") as dlq:
+            _, dead = dlq.get(T)
+        assert dead.id == mid
+        assert fila.enqueue("big-errors", b"still serving")
+        assert server.running
+
+
+HEADER_COUNTER = """
+function on_enqueue(m)
+  local n = 0
+  for _ in pairs(m.headers) do n = n + 1 end
+  return { fairness_key = "n" .. n .. "-omitted" .. tostring(m.headers_omitted or 0) }
+end
+"""
+
+
+def test_huge_header_set_is_bounded(server_factory: ServerFactory) -> None:
+    """Headers cross into Lua bounded: with limits raised far past the defaults, a
+    message with 8 MiB of headers still enqueues, the hook sees at most 256 KiB of them
+    and how many were left out, and the broker stays up."""
+    server = server_factory(
+        config_toml=NO_BREAKER
+        + "[server]\nmax_headers = 100000\nmax_header_bytes = 16777216\n"
+        + "max_request_bytes = 33554432\n"
+    )
+    # 3.2 MB: past what crosses into Lua, within a client's 4 MiB receive limit
+    headers = {f"h{i:05d}": "v" * 400 for i in range(8000)}
+    with connect(server.addr) as fila:
+        fila.create_queue("many-headers", on_enqueue=HEADER_COUNTER)
+        fila.create_queue(
+            "many-headers-fail",
+            on_failure='function on_failure(m) return { action = "dlq" } end',
+        )
+        mid = fila.enqueue("many-headers", b"x", headers)
+        fila.enqueue("many-headers", b"y", {"a": "b"})
+        keys = {k.key for k in fila.stats("many-headers").per_key_stats}
+        assert "n1-omitted0" in keys, keys
+        big = [k for k in keys if k != "n1-omitted0"]
+        assert len(big) == 1 and not big[0].endswith("omitted0"), keys
+        # and through on_failure
+        fail_id = fila.enqueue("many-headers-fail", b"x", headers)
+        with TimedConsumer(fila.channel, "many-headers-fail") as consumer:
+            consumer.get(T)
+            fila.nack("many-headers-fail", fail_id, "e")
+        with TimedConsumer(fila.channel, "many-headers-fail.dlq") as dlq:
+            assert dlq.get(T)[1].id == fail_id
+        assert mid and server.running
+
+
+# --------------------------------------------------------------- UTF-8 and outcomes
+
+BAD_UTF8_ENQUEUE = r"""
+function on_enqueue(m)
+  local mode = m.headers.mode
+  if mode == "sub" then return { fairness_key = m.headers.tenant:sub(1, 1) } end
+  if mode == "throttle" then return { throttle_keys = { "\xff\xfe" } } end
+  if mode == "nul" then return { fairness_key = "a\0b" } end
+  if mode == "error" then error("\xff\xfe broken") end
+  if mode == "error_nil" then error(nil) end
+  if mode == "error_table" then error({}) end
+  return { fairness_key = "fine" }
+end
+"""
+BAD_UTF8_FAILURE = r"""
+function on_failure(m)
+  if m.attempts == 1 then error("\xc3") end
+  if m.attempts == 2 then return { action = "\xff" } end
+  return { action = "retry" }
+end
+"""
+
+
+def test_invalid_utf8_and_odd_outcomes_fall_back(hostile_server: ServerProcess) -> None:
+    """Issue 6.4: `m.headers.tenant:sub(1,1)` with tenant `é` made Enqueue fail with
+    UNKNOWN; from on_failure, the Nack failed after the lease had ended. Every such
+    outcome must give the default decision, and the message one well-defined state."""
+    with connect(hostile_server.addr) as fila:
+        queue = unique("utf8")
+        fila.create_queue(queue, on_enqueue=BAD_UTF8_ENQUEUE, on_failure=BAD_UTF8_FAILURE)
+        modes = ["sub", "throttle", "nul", "error", "error_nil", "error_table"]
+        ids = {fila.enqueue(queue, b"u", {"mode": m, "tenant": "é"}): m for m in modes}
+        good = fila.enqueue(queue, b"u", {"mode": "ok"})
+        messages = drain(fila, queue, len(ids) + 1)
+        for mid, mode in ids.items():
+            assert_default(messages[mid], mode)
+        assert messages[good].metadata.fairness_key == "fine"
+
+        # on_failure: an error that is not UTF-8, then an action that is not; each
+        # nack answers OK and the message comes straight back (the default: retry)
+        mid = fila.enqueue(queue, b"f", {"mode": "ok"})
+        with TimedConsumer(fila.channel, queue) as consumer:
+            for attempt in range(3):
+                _, message = consumer.get(T)
+                assert message.id == mid and message.metadata.attempt_count == attempt
+                fila.nack(queue, mid, "boom")
+            _, message = consumer.get(T)
+            assert message.metadata.attempt_count == 3
+            fila.ack(queue, mid)
+
+
+def _hooks(on_enqueue: str = "", on_failure: str = "", *, timeout_ms: int = 10) -> QueueHooks:
+    class _Clock:
+        def now_ms(self) -> int:
+            return 0
+
+        def now_s(self) -> float:
+            return 0.0
+
+    limits = LuaLimits(timeout_ms, 1 << 20, 1_000_000, 10_000)
+    return QueueHooks("q", on_enqueue, on_failure, limits, lambda _key: None, _Clock())
+
+
+ODD_ENQUEUE_RESULTS = [
+    r'return { fairness_key = "\xff" }',
+    r'return { fairness_key = "a\0b" }',
+    r'return { fairness_key = string.rep("k", 300) }',
+    r'return { throttle_keys = { "ok", "\xc3\x28" } }',
+    r'return { throttle_keys = { "a\0" } }',
+    r"return { weight = 0/0 }",
+    r"return { weight = math.huge }",
+    r"return setmetatable({}, { __index = function() return { fairness_key = 1 } end }).x",
+    r'return { fairness_key = setmetatable({}, { __tostring = function() return "x" end }) }',
+    r"return coroutine",
+    r'error("\xff")',
+    r"error(nil)",
+    r"error(setmetatable({}, { __tostring = function() while true do end end }))",
+    r"error(string.rep('e', 500000))",
+    r"local t = {} for i = 1, 1e9 do t[i] = i end",
+    r"while true do end",
+    r"return string.rep('x', 2^40)",
+]
+
+
+def test_no_outcome_makes_a_hook_raise() -> None:
+    """In-process: QueueHooks.on_enqueue / on_failure never raise and count each bad
+    outcome as a failure, whatever the script returns or raises."""
+    for body in ODD_ENQUEUE_RESULTS:
+        hooks = _hooks(f"function on_enqueue(m) {body} end", f"function on_failure(m) {body} end")
+        assert hooks.on_enqueue({"h": "\udcff"}, 1) == DEFAULT_ENQUEUE, body
+        assert hooks.on_failure("id", {"h": "v"}, 1, "\udcff") == DEFAULT_FAILURE, body
+        counters = hooks.counters()
+        assert counters["on_enqueue"].failed == 1 and counters["on_failure"].failed == 1, body
+        assert "\n" not in counters["on_enqueue"].last_error
+
+
+# --------------------------------------------------------------- print
+
+PRINTER = r"""
+function on_enqueue(m)
+  for i = 1, 100000 do
+    print("forged\n2030-01-01 level=CRITICAL logger=fila.server boom", i, string.rep("z", 5000))
+  end
+  return { fairness_key = "printed" }
+end
+"""
+
+
+def test_print_is_logged_marked_quoted_and_rate_limited(server_factory: ServerFactory) -> None:
+    """Issue 6.5: print wrote to stdout (370 MB from three enqueues) and could forge
+    log lines. Now each print is at most one quoted `lua print` line, rate limited."""
+    server = server_factory(config_toml=NO_BREAKER)
+    with connect(server.addr) as fila:
+        fila.create_queue("printer", on_enqueue=PRINTER)
+        before = len(server.log_text())
+        began = time.monotonic()
+        for _ in range(3):
+            fila.enqueue("printer", b"p")
+        elapsed = time.monotonic() - began
+        keys = {k.key for k in fila.stats("printer").per_key_stats}
+        log = server.log_text()[before:]
+    lines = [line for line in log.splitlines() if "lua print" in line]
+    assert lines, log[-2000:]
+    assert len(log) < 100_000, f"{len(log)} bytes of log from three enqueues"
+    # a burst of 20, then 10 a second
+    allowed = 20 + 10 * elapsed + 1
+    assert len(lines) <= allowed, (
+        f"{len(lines)} print lines in {elapsed:.2f}s (allowed {allowed:.0f})"
+    )
+    for line in lines:
+        assert 'queue="printer"' in line and "hook=on_enqueue" in line, line
+        assert len(line) < 1000, len(line)
+    # the forged text stays inside the quoted value: no line of its own
+    assert not any(line.startswith("2030-01-01") for line in log.splitlines()), log[-2000:]
+    assert keys <= {"printed", "default"}
+
+
+# --------------------------------------------------------------- in-process checks
+
+
+@pytest.mark.parametrize("limit", [0, 300, None], ids=["lua-only", "mixed", "default"])
+def test_patterns_agree_with_c(limit: float | None) -> None:
+    """The Lua matcher (and the C/Lua mix the wrappers use) give exactly what Lua's C
+    string.find/match/gmatch/gsub give, errors included, on random patterns built from
+    every pattern item (classes, sets, captures, %b, %f, back references, anchors,
+    malformed pieces) and random subjects."""
+    parity = Parity(limit)
+    rnd = random.Random(20260601)
+    failures = []
+    for _ in range(6000):
+        op, s, p, init, repl, n = random_case(rnd)
+        why = parity.compare(op, s, p, init, repl, n)
+        if why is not None:
+            failures.append(f"{op}({s!r}, {p!r}, {init}, {repl!r}, {n}): {why}")
+    assert not failures, "\n".join(failures[:20])
+
+
+def _busy(stop: threading.Event) -> None:
+    data = random.Random(1).randbytes(1 << 20)
+    while not stop.is_set():
+        zlib.compress(data, 6)  # releases the GIL: real CPU on another core
+
+
+def test_budget_charges_only_the_calling_thread() -> None:
+    """Issue 6.3: charged to the process CPU clock, a 4 ms hook under a 10 ms budget
+    failed 18 of 20 calls while three other threads were busy. Charged to the calling
+    thread, a hook well under budget never fails, however busy the process is."""
+    hooks = _hooks("function on_enqueue(m) local x = 0 for i = 1, N do x = x + i end return {} end")
+    # calibrate N to about 4 ms of this thread's CPU
+    probe = _hooks(
+        "function on_enqueue(m) local x = 0 for i = 1, 200000 do x = x + i end return {} end",
+        timeout_ms=10_000,
+    )
+    cpu = min(_thread_cpu(lambda: probe.on_enqueue({}, 0)) for _ in range(5))
+    n = int(200000 * 0.004 / cpu)
+    hooks = _hooks(
+        f"N = {n}\nfunction on_enqueue(m) local x = 0 for i = 1, N do x = x + i end return {{}} end"
+    )
+    stop = threading.Event()
+    workers = [threading.Thread(target=_busy, args=(stop,), daemon=True) for _ in range(3)]
+    for worker in workers:
+        worker.start()
+    try:
+        for _ in range(20):
+            hooks.on_enqueue({}, 0)
+    finally:
+        stop.set()
+        for worker in workers:
+            worker.join(T)
+    counters = hooks.counters()["on_enqueue"]
+    assert counters.failed == 0, (
+        f"{counters.failed} of 20 calls of a ~4 ms hook failed under a 10 ms budget "
+        f"while 3 threads were busy: {counters.last_error}"
+    )
+
+
+def _thread_cpu(fn: object) -> float:
+    began = time.thread_time()
+    fn()  # type: ignore[operator]
+    return time.thread_time() - began
+
+
+def test_script_size_is_bounded() -> None:
+    with pytest.raises(ScriptError, match="limited to"):
+        _hooks("function on_enqueue(m) return {} end --" + "x" * 300_000)
+
+
+FILL_GLOBALS = """
+local size
+local function grow() hoard[#hoard + 1] = string.rep("h", size) end
+local function grow_chain() chain = { chain } end
+function on_enqueue(m)
+  if not full then
+    -- fill the state to its cap with live data and no garbage an emergency
+    -- collection could free: big pieces first, then ever smaller ones
+    full, hoards = true, {}
+    for _, s in ipairs({ 65536, 4096, 256, 16 }) do
+      hoard, size = {}, s
+      hoards[#hoards + 1] = hoard
+      while pcall(grow) do end
+    end
+    while pcall(grow_chain) do end
+  end
+  return { fairness_key = "k" .. #m.headers.big }
+end
+"""
+
+
+def test_values_cross_into_lua_at_the_memory_cap(hostile_server: ServerProcess) -> None:
+    """A script may keep its state at the memory cap. Lupa copies arguments into Lua
+    outside any protected call, so a failed allocation there aborts the process: the
+    cap must be lifted while values cross, whatever the script holds."""
+    with connect(hostile_server.addr) as fila:
+        queue = unique("at-cap")
+        fila.create_queue(queue, on_enqueue=FILL_GLOBALS)
+        for size in (10, 20_000, 60_000):
+            fila.enqueue(queue, b"c", {"big": "b" * size})
+        assert hostile_server.running and broker_answers(fila)

@@ -1,21 +1,25 @@
 """A queue's `on_enqueue` and `on_failure` hooks, with fallback and circuit breaker.
 
-A hook that errors, runs out of budget or returns the wrong shape must not fail
-the request: the message gets the default decision and the failure is counted.
-After `threshold` consecutive failures the hook is bypassed for `cooldown`, so
-a broken script costs at most a few budgets per cooldown instead of one per
-message.
+A hook that errors, runs out of budget or memory, or returns anything but a valid
+decision (wrong shape, invalid UTF-8, NUL bytes, ...) must not fail the request: the
+message gets the default decision and the failure is counted. `on_enqueue` and
+`on_failure` never raise, whatever the script does: the core calls them in the middle
+of changing a message's state, and an exception there would leave the message half
+moved. After `threshold` consecutive failures the hook is bypassed for `cooldown`, so
+a broken script costs at most a few budgets per cooldown instead of one per message.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from fila.core.clock import Clock
-from fila.lua.sandbox import LuaSandbox, ScriptError
+from fila.lua.sandbox import LuaSandbox, Outcome, ScriptError
+from fila.lua.script_log import ScriptLog
 
 log = logging.getLogger("fila.lua")
 
@@ -80,9 +84,12 @@ class _Breaker:
 
 @dataclass(slots=True)
 class _Hook:
-    fn: Any
     breaker: _Breaker
     counters: HookCounters = field(default_factory=HookCounters)
+
+
+# how much of a failure's text is kept in HookCounters.last_error and logged
+ERROR_TEXT_MAX = 500
 
 
 def validate_scripts(on_enqueue: str, on_failure: str, limits: LuaLimits) -> None:
@@ -114,9 +121,11 @@ class QueueHooks:
         self._queue = queue
         self._clock = clock
         self._sandbox = LuaSandbox(
+            queue=queue,
             timeout_ms=limits.timeout_ms,
             memory_limit_bytes=limits.memory_limit_bytes,
             config_get=config_get,
+            script_log=ScriptLog(queue),
         )
         self._enqueue_hook = self._load(on_enqueue, ON_ENQUEUE, limits)
         self._failure_hook = self._load(on_failure, ON_FAILURE, limits)
@@ -135,59 +144,71 @@ class QueueHooks:
 
     def on_enqueue(self, headers: Mapping[str, str], payload_size: int) -> EnqueueDecision:
         hook = self._enqueue_hook
-        if hook is None:
+        if hook is None or self._bypassed(hook):
             return DEFAULT_ENQUEUE
-        sandbox = self._sandbox
-        result = self._run(
-            hook, sandbox.run_on_enqueue, sandbox.table(dict(headers)), payload_size, self._queue
-        )
-        if result is None:
-            return DEFAULT_ENQUEUE
-        _, key, weight, joined = result
-        return EnqueueDecision(key, weight, tuple(joined.split("\0")) if joined else ())
+        try:
+            outcome = self._sandbox.on_enqueue(headers, payload_size)
+            if outcome[0] is True:
+                _, key, weight, throttle_keys = outcome
+                decision = EnqueueDecision(key, weight, throttle_keys)
+            else:
+                decision = None
+        except Exception as exc:  # any failure becomes a fallback: see _unforeseen
+            outcome, decision = _unforeseen(exc), None
+        self._record(hook, outcome)
+        return DEFAULT_ENQUEUE if decision is None else decision
 
     def on_failure(
         self, message_id: str, headers: Mapping[str, str], attempts: int, error: str
     ) -> FailureDecision:
         hook = self._failure_hook
-        if hook is None:
+        if hook is None or self._bypassed(hook):
             return DEFAULT_FAILURE
-        sandbox = self._sandbox
-        result = self._run(
-            hook,
-            sandbox.run_on_failure,
-            message_id,
-            sandbox.table(dict(headers)),
-            attempts,
-            self._queue,
-            error,
-        )
-        if result is None:
-            return DEFAULT_FAILURE
-        _, action, delay_ms = result
-        return FailureDecision(action, int(delay_ms))
+        try:
+            outcome = self._sandbox.on_failure(message_id, headers, attempts, error)
+            if outcome[0] is True:
+                _, action, delay_ms = outcome
+                decision = FailureDecision(action, delay_ms)
+            else:
+                decision = None
+        except Exception as exc:  # any failure becomes a fallback: see _unforeseen
+            outcome, decision = _unforeseen(exc), None
+        self._record(hook, outcome)
+        return DEFAULT_FAILURE if decision is None else decision
 
-    def _run(self, hook: _Hook, entry_point: Any, *args: Any) -> tuple[Any, ...] | None:
-        now_ms = self._clock.now_ms()
-        if hook.breaker.is_open(now_ms):
+    def _bypassed(self, hook: _Hook) -> bool:
+        if hook.breaker.is_open(self._clock.now_ms()):
             hook.counters.bypassed += 1
-            return None
-        result = self._sandbox.call(entry_point, hook.fn, *args)
-        ok = result[0] is True
-        hook.breaker.record(ok, now_ms)
+            return True
+        return False
+
+    def _record(self, hook: _Hook, outcome: Outcome) -> None:
+        ok = outcome[0] is True
+        hook.breaker.record(ok, self._clock.now_ms())
         if ok:
             hook.counters.ok += 1
-            return result
+            return
         hook.counters.failed += 1
-        hook.counters.last_error = str(result[1])
-        log.warning("lua hook failed queue=%s error=%s", self._queue, hook.counters.last_error)
-        return None
+        text = str(outcome[1])[:ERROR_TEXT_MAX]
+        hook.counters.last_error = text
+        # quoted: a script's error text must not be able to forge log lines
+        log.warning(
+            "lua hook failed queue=%s error=%s", self._queue, json.dumps(text, ensure_ascii=False)
+        )
 
     def _load(self, source: str, name: str, limits: LuaLimits) -> _Hook | None:
         if not source.strip():
             return None
         try:
-            fn = self._sandbox.load(source, (name,))[name]
+            self._sandbox.load(name, source)
         except ScriptError as exc:
             raise ScriptError(f"{name} script {exc}") from None
-        return _Hook(fn, _Breaker(limits.breaker_threshold, limits.breaker_cooldown_ms))
+        return _Hook(_Breaker(limits.breaker_threshold, limits.breaker_cooldown_ms))
+
+
+def _unforeseen(exc: Exception) -> Outcome:
+    """A failure the sandbox did not turn into an outcome (a lupa error, an invalid
+    result that slipped through). The message still gets the default decision: the
+    core calls the hooks in the middle of moving it, and must not see an exception.
+    """
+    return (False, f"{type(exc).__name__}: {exc}")
