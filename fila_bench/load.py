@@ -114,7 +114,10 @@ async def preload(
 
 @dataclass(frozen=True, slots=True)
 class DrainRun:
-    elapsed_s: float  # from the first worker starting to the `limit`-th ack
+    # The timed part: from the moment every worker's stream had delivered its first
+    # message (all streams open and flowing) to the `limit`-th ack, and the acks in it.
+    elapsed_s: float
+    counted: int
     limit: int
     # In the order workers finished acking them; may run past `limit` by the few that
     # were acked before the workers were cancelled (kept for the duplicate check).
@@ -122,7 +125,7 @@ class DrainRun:
 
     @property
     def rate(self) -> float:
-        return self.limit / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return self.counted / self.elapsed_s if self.elapsed_s > 0 else 0.0
 
 
 async def consume_until(
@@ -135,27 +138,45 @@ async def consume_until(
 ) -> DrainRun:
     """`workers` consume-and-ack loops until `limit` messages are acked.
 
-    With one worker the delivery list is the broker's lease order, which is what the
-    fairness benchmark needs. Workers are cancelled once the limit is reached; a
-    worker that fails ends the drain with its error instead of waiting for the deadline.
+    Opening a stream is not delivering: the clock starts once every worker has
+    received its first message (so connecting, opening N streams and the first
+    round trip are outside the window) and counts the acks after that. If the
+    backlog is too small for every worker to get one, it starts at the first
+    delivery instead. With one worker the delivery list is the broker's lease order,
+    which is what the fairness benchmark needs. Workers are cancelled once the limit
+    is reached; a worker that fails ends the drain with its error instead of waiting
+    for the deadline.
     """
     deliveries: list[Message] = []
     reached = asyncio.Event()
     finished_at = 0.0
+    first_at = 0.0
+    streams_open = 0
+    all_open_at = 0.0
+    acked_before_open = 0
 
     async def work(conn: Connection) -> None:
-        nonlocal finished_at
+        nonlocal finished_at, first_at, streams_open, all_open_at, acked_before_open
+        first = True
         async for msg in conn.consume(queue):
+            if first:
+                first = False
+                streams_open += 1
+                now = time.perf_counter()
+                first_at = first_at or now
+                if streams_open == workers and not reached.is_set():
+                    all_open_at, acked_before_open = now, len(deliveries)
             await conn.ack(queue, msg.id)
             deliveries.append(msg)
             if len(deliveries) == limit:
                 finished_at = time.perf_counter()
                 reached.set()
 
-    started = time.perf_counter()
     workers_done = [work(conns[i % len(conns)]) for i in range(workers)]
     await run_until(reached, workers_done, deadline_s, lambda: f"{len(deliveries)}/{limit} acked")
-    return DrainRun(finished_at - started, limit, deliveries)
+    if not all_open_at:  # fewer messages than workers: time from the first delivery
+        all_open_at, acked_before_open = first_at, 0
+    return DrainRun(finished_at - all_open_at, limit - acked_before_open, limit, deliveries)
 
 
 async def run_until(
@@ -249,20 +270,26 @@ async def check_empty(admin: AsyncClient, queue: str) -> None:
         )
 
 
-async def paced(rate: float, stop: Callable[[], bool]) -> AsyncIterator[int]:
-    """Yields 0, 1, 2, ... on a fixed schedule of `rate` per second until `stop()`.
+async def paced(rate: float, stop: Callable[[], bool]) -> AsyncIterator[float]:
+    """Yields the scheduled send time (`perf_counter()` seconds) of each tick of a fixed
+    schedule of `rate` per second, until `stop()`.
 
     The schedule is fixed from the start, so a caller that fell behind (one request
     in flight, a slow answer) gets the overdue ticks back to back until it is on time
-    again and the offered rate over the run stays `rate`.
+    again and the offered rate over the run stays `rate`. Latency must be timed from
+    the yielded time, not from when the caller got round to sending: a stall delays
+    every send queued behind it, and timing from the actual send would record the
+    one slow answer and none of the waiting it caused (coordinated omission, the
+    correction HdrHistogram's users apply).
     """
     start = time.perf_counter()
     index = 0
     while not stop():
-        delay = start + index / rate - time.perf_counter()
+        scheduled = start + index / rate
+        delay = scheduled - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
-        yield index
+        yield scheduled
         index += 1
 
 

@@ -1,4 +1,5 @@
-"""Rich tables for people; the JSON in `results.py` is for machines.
+"""Rich tables for people; the JSON in `results.py` is for machines; Markdown for the
+pull-request comment CI posts.
 
 Numbers are formatted by unit (throughput as whole messages, latencies with three
 decimals) so a column of results reads at a glance, and the arrow says which way is
@@ -72,6 +73,7 @@ def compare_table(rows: list[Row], threshold_pct: float) -> Table:
         ("base", "right"),
         ("new", "right"),
         ("delta", "right"),
+        ("limit", "right"),
         ("better", "center"),
         ("verdict", "left"),
     ]
@@ -86,10 +88,73 @@ def compare_table(rows: list[Row], threshold_pct: float) -> Table:
             fmt_value(row.base, row.unit),
             fmt_value(row.new, row.unit),
             delta,
+            f"{row.threshold_pct:g}%" if row.gated else "-",
             _arrow(row.higher_is_better),
             f"[{style}]{row.verdict.value}[/]",
         )
     return table
+
+
+def compare_markdown(
+    rows: list[Row],
+    threshold_pct: float,
+    failures: list[Failure],
+    base_commit: str,
+    new_commit: str,
+) -> str:
+    """The comparison as GitHub Markdown: verdict first, gated figures in a table, the
+    informational ones folded away so the comment stays short."""
+    worse = [r for r in rows if r.verdict is Verdict.REGRESSED]
+    if failures:
+        headline = f"**{len(failures)} benchmark(s) failed their own checks.**"
+    elif worse:
+        headline = f"**{len(worse)} regression(s):** " + ", ".join(f"`{r.name}`" for r in worse)
+    else:
+        headline = "No regression past the thresholds."
+    lines = [
+        f"### fila-bench: {'FAIL' if failures or worse else 'pass'}",
+        "",
+        headline,
+        "",
+        f"Base `{base_commit[:12]}`, new `{new_commit[:12]}`; each gated figure is held to "
+        f"{threshold_pct:g}% or its measured noise threshold, whichever is larger.",
+        "",
+    ]
+    if failures:
+        lines += [f"- `{f.benchmark}`: {' '.join(f.error.split())}" for f in failures]
+        lines.append("")
+    gated = [r for r in rows if r.gated]
+    info = [r for r in rows if not r.gated]
+    lines += _md_table(gated, with_limit=True)
+    if info:
+        lines += [
+            "",
+            f"<details><summary>{len(info)} informational figure(s), not gated</summary>",
+            "",
+            *_md_table(info, with_limit=False),
+            "",
+            "</details>",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _md_table(rows: list[Row], *, with_limit: bool) -> list[str]:
+    head = ["benchmark", "unit", "base", "new", "delta", *(["limit"] if with_limit else [])]
+    head.append("verdict")
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        delta = "-" if row.delta_pct is None else f"{row.delta_pct:+.1f}%"
+        cells = [
+            f"`{row.name}` {_arrow(row.higher_is_better)}",
+            row.unit,
+            fmt_value(row.base, row.unit),
+            fmt_value(row.new, row.unit),
+            delta,
+            *([f"{row.threshold_pct:g}%"] if with_limit else []),
+            f"**{row.verdict.value}**" if row.verdict is Verdict.REGRESSED else row.verdict.value,
+        ]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
 
 
 def print_failures(console: Console, failures: list[Failure]) -> None:

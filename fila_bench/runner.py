@@ -4,14 +4,26 @@ A case that fails (its conservation or fairness check, a broker that would not
 start, an RPC error, a deadline) is recorded and the run moves on, so one broken
 benchmark does not hide the numbers of the others; the CLI then exits non-zero.
 Programming errors are not caught: they should stop the run with a traceback.
+
+The runner also owns what every case shares: the CPU placement (this process is
+pinned to the load generator's CPUs before any gRPC thread starts) and the echo
+server of `echo_ceiling_50c`. Around each case with closed-loop rates it measures a
+short echo window, and reports each rate also as a ratio to the mean of the windows
+just before and just after it. Those ratios are the gated figures: a busy host
+slows the echo server and the broker alike, so the ratio keeps what the broker
+changed and drops most of what the host did. The raw msg/s rows stay, unchanged and
+comparable with published figures, but informational.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import dataclasses
 import os
+import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -28,10 +40,23 @@ from rich.progress import (
 )
 
 from fila.server.process import ServerStartError
-from fila_bench.case import Case, Context
+from fila_bench.case import Case, Context, ratio_name
+from fila_bench.cpus import Placement, pin_process
+from fila_bench.echo import ECHO_CASE, EchoCeiling, echo_ceiling
 from fila_bench.load import CheckFailed
 from fila_bench.profile import Profile
-from fila_bench.results import Failure, Report, environment, git_commit, now_iso
+from fila_bench.results import (
+    MSG_S,
+    PCT,
+    RATIO,
+    Failure,
+    Report,
+    Result,
+    environment,
+    git_commit,
+    now_iso,
+    throughput,
+)
 from fila_sdk import FilaError
 
 # What a benchmark can fail with that is the broker's fault, not the benchmark's.
@@ -55,12 +80,21 @@ def select(cases: Sequence[Case], only: Sequence[str]) -> list[Case]:
     return [c for c in cases if any(c.matches(p) for p in only)]
 
 
-def run_all(cases: Sequence[Case], profile: Profile, workdir: Path, console: Console) -> Report:
+def run_all(
+    cases: Sequence[Case],
+    profile: Profile,
+    workdir: Path,
+    console: Console,
+    placement: Placement | None = None,
+) -> Report:
     report = Report(
         commit=git_commit(),
         timestamp=now_iso(),
         extra={"profile": profile.name, "environment": environment()},
     )
+    report.extra["environment"]["cpu_pinning"] = _pin_self(placement)
+    if report.extra["environment"]["cpu_pinning"] == "refused":
+        placement = None
     columns = (
         SpinnerColumn(),
         TextColumn("{task.description}"),
@@ -70,41 +104,120 @@ def run_all(cases: Sequence[Case], profile: Profile, workdir: Path, console: Con
     )
     with Progress(*columns, console=console) as progress:
         task = progress.add_task("starting", total=len(cases))
-        asyncio.run(_run_cases(cases, profile, workdir, report, progress, task))
+        asyncio.run(_run_cases(cases, profile, workdir, placement, report, progress, task))
         progress.update(task, description="done")
     report.extra["environment"]["loadavg_1m_end"] = round(os.getloadavg()[0], 2)
     return report
+
+
+def _pin_self(placement: Placement | None) -> str:
+    """Pins this process to the load generator's CPUs; says what happened, for the JSON."""
+    if placement is None:
+        return "off"
+    try:
+        pin_process(os.getpid(), placement.client)
+    except OSError:
+        return "refused"
+    return placement.describe()
+
+
+def _missing(case: Case, results: list[Result]) -> list[str]:
+    """The case's promised outputs it did not return (ratios are the runner's own)."""
+    names = {r.name for r in results}
+    return [n for n in case.outputs if n not in names and n not in case.optional]
+
+
+def needs_ceiling(case: Case) -> bool:
+    return bool(case.ratios) or case.name == ECHO_CASE
 
 
 async def _run_cases(
     cases: Sequence[Case],
     profile: Profile,
     workdir: Path,
+    placement: Placement | None,
     report: Report,
     progress: Progress,
     task: TaskID,
 ) -> None:
     # One event loop for the whole run: grpc.aio objects must not outlive their loop.
     seconds: dict[str, float] = report.extra.setdefault("case_seconds", {})
-    for case in cases:
+    ceiling: EchoCeiling | None = None
+    async with contextlib.AsyncExitStack() as stack:
+        if any(needs_ceiling(c) for c in cases):
+            progress.update(task, description=f"[bold]{ECHO_CASE}[/] starting the echo server")
+            try:
+                ceiling = await stack.enter_async_context(
+                    echo_ceiling(placement.server if placement else None)
+                )
+            except _CASE_FAILURES as err:
+                report.failures.append(Failure(ECHO_CASE, _describe(err)))
+        before: float | None = None  # the window that closed the previous case
+        for case in cases:
 
-        def status(text: str, name: str = case.name) -> None:
-            progress.update(task, description=f"[bold]{name}[/] {text}")
+            def status(text: str, name: str = case.name) -> None:
+                progress.update(task, description=f"[bold]{name}[/] {text}")
 
-        status("starting broker")
-        started = time.perf_counter()
-        # except*: failures inside a TaskGroup (a producer's RPC error) arrive grouped.
-        try:
-            report.results += await case.run(Context(profile, workdir, status))
-        except* CheckFailed as group:
-            for exc in _leaves(group):
-                report.results += exc.results
-                report.failures.append(Failure(case.name, str(exc)))
-        except* _CASE_FAILURES as group:
-            first = _leaves(group)[0]
-            report.failures.append(Failure(case.name, _describe(first)))
-        seconds[case.name] = round(time.perf_counter() - started, 1)
-        progress.advance(task)
+            bracket = ceiling if needs_ceiling(case) else None
+            if bracket is not None and before is None:
+                before = await _window(bracket, profile, status)
+            status("starting broker")
+            started = time.perf_counter()
+            results: list[Result] = []
+            failed = False
+            # except*: failures inside a TaskGroup (a producer's RPC error) arrive grouped.
+            try:
+                results = await case.run(Context(profile, workdir, status, placement))
+            except* CheckFailed as group:
+                failed = True
+                for exc in _leaves(group):
+                    results += exc.results
+                    report.failures.append(Failure(case.name, str(exc)))
+            except* _CASE_FAILURES as group:
+                failed = True
+                first = _leaves(group)[0]
+                report.failures.append(Failure(case.name, _describe(first)))
+            seconds[case.name] = round(time.perf_counter() - started, 1)
+            if not failed and (missing := _missing(case, results)):
+                report.failures.append(Failure(case.name, f"no figure for {', '.join(missing)}"))
+            if bracket is not None and before is not None:
+                after = await _window(bracket, profile, status)
+                results = with_ratios(results, case.ratios, (before + after) / 2)
+                before = after
+            else:
+                before = None
+            report.results += results
+            progress.advance(task)
+    if ceiling is not None and ceiling.windows:
+        report.results += ceiling_rows(ceiling.windows)
+
+
+async def _window(ceiling: EchoCeiling, profile: Profile, status: Callable[[str], None]) -> float:
+    status(f"{ECHO_CASE} window")
+    return await ceiling.measure(profile.ceiling_warmup_s, profile.ceiling_measure_s)
+
+
+def with_ratios(results: list[Result], names: Sequence[str], ceiling: float) -> list[Result]:
+    """Adds `<name>_ratio` for each of `names` and ungates the raw rate it came from."""
+    out: list[Result] = []
+    for result in results:
+        if result.name in names and result.unit == MSG_S and ceiling > 0:
+            out.append(dataclasses.replace(result, gated=False))
+            out.append(Result(ratio_name(result.name), result.value / ceiling, RATIO, True))
+        else:
+            out.append(result)
+    return out
+
+
+def ceiling_rows(windows: Sequence[float]) -> list[Result]:
+    """The ceiling itself (median of the run's windows) and how much it moved in the run:
+    the second row is the host's noise, measured, next to the figures it affected."""
+    median = statistics.median(windows)
+    spread = (max(windows) - min(windows)) / median * 100 if median else 0.0
+    return [
+        dataclasses.replace(throughput(ECHO_CASE, median), gated=False),
+        Result(f"{ECHO_CASE}_spread_pct", spread, PCT, higher_is_better=False, gated=False),
+    ]
 
 
 def _leaves(group: BaseExceptionGroup[_E]) -> list[_E]:

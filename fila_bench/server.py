@@ -9,6 +9,7 @@ directory, so the broker is measured without any hook inside it.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import shutil
 import tempfile
@@ -18,23 +19,29 @@ from pathlib import Path
 
 from fila.config import PersistMode
 from fila.server.process import ServerProcess
+from fila_bench.case import Context
+from fila_bench.cpus import pin_process
 
 
 @asynccontextmanager
 async def broker(
-    workdir: Path, name: str, persist_mode: PersistMode, config_toml: str | None = None
+    ctx: Context, name: str, persist_mode: PersistMode, config_toml: str | None = None
 ) -> AsyncIterator[ServerProcess]:
-    """A started broker in its own directory under `workdir`, stopped (SIGTERM) on exit.
+    """A started broker in its own directory under the run's workdir, stopped (SIGTERM)
+    on exit, and pinned to the server CPUs when the run pins (`fila_bench.cpus`).
 
     Start and stop block on subprocess and health polling, so they run in a thread
     and the event loop (and the progress display) stays live. The data directory is
     removed after the stop (the compaction burst alone writes hundreds of MiB); the
     broker's log and config stay beside it.
     """
-    root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=workdir))
+    root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=ctx.workdir))
     server = ServerProcess(root / "data", config_toml=config_toml, persist_mode=persist_mode)
     await asyncio.to_thread(server.start)
     try:
+        if ctx.placement is not None:
+            # Once serving: RocksDB's and gRPC's threads exist and are pinned with it.
+            pin_process(server.pid, ctx.placement.server)
         yield server
     finally:
         if server.running:
@@ -48,6 +55,17 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024  # the kernel's "kB" is KiB
     raise OSError(f"no VmRSS line for pid {pid}")
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user + system, all threads, finished ones included) `pid` has used, from
+    /proc/<pid>/stat. The kernel counts it in clock ticks (10 ms on most hosts), so it
+    is for windows of a second or more, not for single calls."""
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    # Fields after the parenthesised command name, which may itself contain spaces.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    utime, stime = int(fields[11]), int(fields[12])  # fields 14 and 15 of proc(5)
+    return (utime + stime) / os.sysconf("SC_CLK_TCK")
 
 
 class RssPeak:

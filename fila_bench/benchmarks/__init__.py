@@ -1,20 +1,27 @@
 """Every benchmark of `fila-bench system`, in the order they run (SPEC section 8).
 
 Cheap, time-bounded cases come first so a quick run reports the headline numbers
-early; the durability matrix, the longest, comes last.
+early; the durability matrix, the longest, comes last. The echo ceiling is first:
+its windows are measured by the runner around every case with rates
+(`fila_bench.runner`), and this entry makes it selectable on its own.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 
-from fila_bench.case import Case
+from fila_bench.case import Case, Context
+from fila_bench.echo import ECHO_CASE
+from fila_bench.results import Result
 
 
 def keys_script() -> str:
     """The `on_enqueue` hook that takes fairness key and weight from headers."""
     script = importlib.resources.files("fila_bench.benchmarks").joinpath("keys.lua")
     return script.read_text("utf-8")
+
+
+CEILING_ROWS = (ECHO_CASE, f"{ECHO_CASE}_spread_pct")  # added by the runner, not the case
 
 
 def all_cases() -> list[Case]:
@@ -30,6 +37,7 @@ def all_cases() -> list[Case]:
     )
 
     return [
+        Case(ECHO_CASE, CEILING_ROWS, _ceiling_only, optional=CEILING_ROWS),
         *enqueue.CASES,
         *latency.CASES,
         *scheduling.CASES,
@@ -37,4 +45,13 @@ def all_cases() -> list[Case]:
         *throttle.CASES,
         *resources.CASES,
         *durability.CASES,
+        # The batch paths of SPEC 8 (issue 7 item 5) go here, each a case of its own
+        # with its rates listed in `ratios`, once fila_sdk has the batch calls they
+        # drive: SDK batched single producer (1 KB), lifecycle through `Worker`,
+        # batched drain, and RSS with 1,000,000 ready messages.
     ]
+
+
+async def _ceiling_only(ctx: Context) -> list[Result]:
+    """Nothing of its own: the runner's windows around it are the measurement."""
+    return []

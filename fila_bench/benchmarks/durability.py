@@ -14,13 +14,14 @@ from __future__ import annotations
 from fila.config import PersistMode
 from fila_bench.case import Case, Context
 from fila_bench.conn import close_all, open_connections
+from fila_bench.echo import PAYLOAD_256B
 from fila_bench.load import check_empty, check_exactly_once, consume_until, enqueue_for
 from fila_bench.results import Result, throughput
 from fila_bench.server import broker
 from fila_sdk import AsyncClient
 
 CONNECTIONS = (1, 8, 50)
-PAYLOAD = b"j" * 256
+PAYLOAD = PAYLOAD_256B  # the echo ceiling sends the same, so the ratio compares like with like
 QUEUE = "jobs"
 LABELS: dict[PersistMode, str] = {"sync": "durable", "buffer": "buffered"}
 
@@ -33,7 +34,7 @@ def _case(mode: PersistMode, connections: int) -> Case:
     async def run(ctx: Context) -> list[Result]:
         p = ctx.profile
         name = f"{label}_{connections}c"
-        async with broker(ctx.workdir, name, mode) as server, AsyncClient(server.addr) as admin:
+        async with broker(ctx, name, mode) as server, AsyncClient(server.addr) as admin:
             await admin.create_queue(QUEUE)
             conns = open_connections(server.addr, connections, dedicated=True)
             try:
@@ -56,7 +57,8 @@ def _case(mode: PersistMode, connections: int) -> Case:
             await check_empty(admin, QUEUE)
         return [throughput(enqueue_name, enq.rate), throughput(drain_name, drain.rate)]
 
-    return Case(f"{label}_{connections}c", (enqueue_name, drain_name), run)
+    outputs = (enqueue_name, drain_name)
+    return Case(f"{label}_{connections}c", outputs, run, ratios=outputs)
 
 
 CASES = [_case(mode, n) for mode in ("sync", "buffer") for n in CONNECTIONS]

@@ -27,7 +27,7 @@ def _case(mode: PersistMode, producers: int) -> Case:
 
     async def run(ctx: Context) -> list[Result]:
         p = ctx.profile
-        async with broker(ctx.workdir, name, mode) as server, AsyncClient(server.addr) as admin:
+        async with broker(ctx, name, mode) as server, AsyncClient(server.addr) as admin:
             await admin.create_queue(QUEUE)
             conns: list[Connection]
             if producers == 1:
@@ -44,7 +44,7 @@ def _case(mode: PersistMode, producers: int) -> Case:
                     await close_all(conns)
         return [throughput(name, run.rate)]
 
-    return Case(name, (name,), run)
+    return Case(name, (name,), run, ratios=(name,))
 
 
 CASES = [

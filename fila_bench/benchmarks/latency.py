@@ -2,9 +2,11 @@
 
 One producer sends 1 KB messages on a fixed schedule (200 msg/s by default, far below
 saturation, so the number is the path through the broker, not queueing in it); one
-consumer acks each message. The producer stamps `perf_counter_ns()` into a header
-just before sending and the consumer subtracts it on receipt, in the same process,
-so no clocks need to agree. Durable (sync) mode, the default, so every message pays
+consumer acks each message. The producer stamps each message's *scheduled* send
+time into a header and the consumer subtracts it on receipt, in the same process, so
+no clocks need to agree. Timing from the schedule, not from the moment the producer
+got round to sending, counts the wait of every message held up behind a slow answer
+(no coordinated omission). Durable (sync) mode, the default, so every message pays
 its fsync before it becomes deliverable. Percentiles come from an HDR histogram.
 """
 
@@ -39,7 +41,7 @@ async def _run(ctx: Context) -> list[Result]:
     all_received = asyncio.Event()
     producing = True
 
-    async with broker(ctx.workdir, "latency", "sync") as server, AsyncClient(server.addr) as client:
+    async with broker(ctx, "latency", "sync") as server, AsyncClient(server.addr) as client:
         await client.create_queue(QUEUE)
 
         async def consume() -> None:
@@ -54,8 +56,8 @@ async def _run(ctx: Context) -> list[Result]:
         async def produce() -> None:
             nonlocal producing
             stop_at = time.perf_counter() + p.latency_s
-            async for _ in paced(p.latency_rate, lambda: time.perf_counter() >= stop_at):
-                headers = {SENT_HEADER: str(time.perf_counter_ns())}
+            async for scheduled in paced(p.latency_rate, lambda: time.perf_counter() >= stop_at):
+                headers = {SENT_HEADER: str(round(scheduled * 1e9))}
                 sent.append(await client.enqueue(QUEUE, headers, PAYLOAD_1KB))
             producing = False
             if len(received) >= len(sent):

@@ -1,0 +1,136 @@
+"""`echo_ceiling_50c`: what this gRPC stack does on this host when the broker does nothing.
+
+A bare `grpc.aio` server in its own process answers `fila.v1.FilaService/Enqueue`
+with a canned reply (it parses the request, as any server must, and stores nothing).
+The load generator drives it with the same client code, the same 50 dedicated
+connections and the same one 256-byte call in flight per connection as the durable
+and buffered one-in-flight rows. Its rate is the ceiling of the stack here: a broker
+figure divided by it says how much of what the stack allows the broker delivers,
+which is a number that moves much less with the host than msg/s does.
+
+The runner keeps one echo server and its 50 connections for the whole run and
+measures a short window before the first throughput case and after every one, so
+each ratio is taken against the ceiling measured seconds around it, not minutes away.
+
+Run as `python -m fila_bench.echo PORT`; it exits when its stdin closes, so it
+cannot outlive the benchmark that started it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import grpc
+import grpc.aio
+
+from fila.server.process import free_port
+from fila.v1 import service_pb2
+from fila_bench.conn import close_all, open_connections
+from fila_bench.cpus import pin_process
+from fila_bench.load import enqueue_for
+
+ECHO_CASE = "echo_ceiling_50c"
+SERVICE = "fila.v1.FilaService"
+CONNECTIONS = 50
+PAYLOAD_256B = b"j" * 256  # the payload of the durability matrix's one-in-flight rows
+_CANNED = service_pb2.EnqueueResponse(message_id="00000000-0000-7000-8000-000000000000")
+_READY_TIMEOUT_S = 20.0
+
+
+async def _enqueue(request: service_pb2.EnqueueRequest, context: Any) -> Any:
+    return _CANNED
+
+
+async def serve(port: int) -> None:
+    server = grpc.aio.server()
+    handler = grpc.unary_unary_rpc_method_handler(
+        _enqueue,
+        request_deserializer=service_pb2.EnqueueRequest.FromString,
+        response_serializer=service_pb2.EnqueueResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(SERVICE, {"Enqueue": handler}),)
+    )
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    stdin_closed = asyncio.Event()
+    loop = asyncio.get_running_loop()
+
+    def on_stdin() -> None:
+        if not os.read(sys.stdin.fileno(), 4096):
+            stdin_closed.set()
+
+    loop.add_reader(sys.stdin.fileno(), on_stdin)
+    await stdin_closed.wait()
+    await server.stop(0)
+
+
+class EchoCeiling:
+    """The running echo server and the load generator's 50 connections to it."""
+
+    def __init__(self, addr: str) -> None:
+        self.addr = addr
+        self._conns = open_connections(addr, CONNECTIONS, dedicated=True)
+        self.windows: list[float] = []  # every measured rate, in run order
+
+    async def measure(self, warmup_s: float, measure_s: float) -> float:
+        """One closed-loop window over the 50 connections; returns calls per second."""
+        run = await enqueue_for(
+            self._conns,
+            CONNECTIONS,
+            "echo",
+            warmup_s=warmup_s,
+            measure_s=measure_s,
+            payload=PAYLOAD_256B,
+        )
+        self.windows.append(run.rate)
+        return run.rate
+
+    async def close(self) -> None:
+        await close_all(self._conns)
+
+
+@asynccontextmanager
+async def echo_ceiling(server_cpus: frozenset[int] | None) -> AsyncIterator[EchoCeiling]:
+    """Starts the echo server (pinned like a broker) and connects to it."""
+    port = free_port()
+    proc = await asyncio.to_thread(
+        subprocess.Popen,
+        [sys.executable, "-m", "fila_bench.echo", str(port)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+    )
+    ceiling: EchoCeiling | None = None
+    try:
+        ceiling = EchoCeiling(f"127.0.0.1:{port}")
+        async with asyncio.timeout(_READY_TIMEOUT_S):
+            channel = grpc.aio.insecure_channel(ceiling.addr)
+            await channel.channel_ready()
+            await channel.close(None)
+        if server_cpus is not None:  # once serving, so its gRPC threads exist to be pinned
+            pin_process(proc.pid, server_cpus)
+        yield ceiling
+    finally:
+        if ceiling is not None:
+            await ceiling.close()
+        if proc.stdin is not None:
+            proc.stdin.close()
+        try:
+            await asyncio.to_thread(proc.wait, 10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+
+
+def main() -> None:
+    asyncio.run(serve(int(sys.argv[1])))
+
+
+if __name__ == "__main__":
+    main()
