@@ -6,9 +6,14 @@ codes are pinned here: regressed -> 1, within threshold -> 0, unreadable input -
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import json
+import os
+import re
 import subprocess
 import sys
+import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -17,10 +22,14 @@ import pytest
 from click.testing import CliRunner
 
 import fila_bench.cli
+from fila_bench.benchmarks.scheduling import FAIRNESS_WEIGHTS, max_window_deviation
 from fila_bench.case import Case, Context
 from fila_bench.cli import main
-from fila_bench.load import CheckFailed, check_at_most_once, check_exactly_once
+from fila_bench.cpus import PinningError, plan
+from fila_bench.load import CheckFailed, check_at_most_once, check_exactly_once, paced
 from fila_bench.results import Result
+from fila_bench.runner import ceiling_rows, with_ratios
+from fila_bench.spread import Spread
 
 
 def entry(name: str, value: float, unit: str, higher: bool, gated: bool = True) -> dict[str, Any]:
@@ -164,7 +173,8 @@ def test_failed_check_is_reported_and_exits_nonzero(
 
 
 def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
-    """One real broker, one short window: the whole path from CLI to JSON."""
+    """One real broker, one short window: the whole path from CLI to JSON, with the echo
+    ceiling measured around the case and the rate reported as a ratio to it."""
     out = tmp_path / "results.json"
     argv = [
         sys.executable,
@@ -181,13 +191,295 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
         "--out",
         str(out),
     ]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=tmp_path)
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     doc = json.loads(out.read_text())
     assert isinstance(doc["commit"], str) and doc["commit"]
     datetime.fromisoformat(doc["timestamp"])
-    [bench] = doc["benchmarks"]
-    assert bench["name"] == "enqueue_1kb_sync_1p"
-    assert bench["unit"] == "msg/s" and bench["higher_is_better"] is True
-    assert bench["value"] > 0
+    by_name = {b["name"]: b for b in doc["benchmarks"]}
+    assert set(by_name) == {
+        "enqueue_1kb_sync_1p",
+        "enqueue_1kb_sync_1p_ratio",
+        "echo_ceiling_50c",
+        "echo_ceiling_50c_spread_pct",
+    }
+    raw, ratio, ceiling = (
+        by_name["enqueue_1kb_sync_1p"],
+        by_name["enqueue_1kb_sync_1p_ratio"],
+        by_name["echo_ceiling_50c"],
+    )
+    assert raw["unit"] == "msg/s" and raw["higher_is_better"] is True and raw["value"] > 0
+    # the raw rate is kept for comparison with published figures; the ratio is gated
+    assert raw["gated"] is False and ratio["gated"] is True
+    assert ceiling["value"] > 0 and 0 < ratio["value"] < 5
     assert "enqueue_1kb_sync_1p" in proc.stdout
+
+
+# --- per-figure noise thresholds, Markdown, missing figures ---------------------------
+
+
+def test_compare_holds_each_figure_to_its_noise_threshold(tmp_path: Path) -> None:
+    base_file = write(tmp_path / "base.json", entry("noisy_ratio", 1.0, "ratio", True))
+    floors = tmp_path / "thresholds.toml"
+    floors.write_text("[thresholds]\nnoisy_ratio = 25\n")
+    within = write(tmp_path / "within.json", entry("noisy_ratio", 0.8, "ratio", True))
+    past = write(tmp_path / "past.json", entry("noisy_ratio", 0.7, "ratio", True))
+    # 20% down: past the 10% asked for, within the figure's own 25%
+    args = ["--thresholds", str(floors)]
+    assert invoke("compare", str(base_file), str(within), "10", *args).exit_code == 0
+    # 30% down: past both
+    result = invoke("compare", str(base_file), str(past), "10", *args)
+    assert result.exit_code == 1 and "REGRESSED" in result.output
+    # the command-line threshold wins where it is the larger
+    assert invoke("compare", str(base_file), str(past), "35", *args).exit_code == 0
+
+
+def test_compare_writes_markdown_for_the_pull_request(tmp_path: Path) -> None:
+    base_file = write(tmp_path / "base.json", *BASE, commit="a" * 40)
+    new_file = write(
+        tmp_path / "new.json",
+        entry("enqueue", 800, "msg/s", True),
+        BASE[1],
+        entry("lua_overhead_us", 9.0, "us", False, gated=False),
+        commit="b" * 40,
+    )
+    md = tmp_path / "compare.md"
+    result = invoke("compare", str(base_file), str(new_file), "10", "--markdown", str(md))
+    assert result.exit_code == 1
+    text = md.read_text()
+    assert text.startswith("### fila-bench: FAIL")
+    assert "**1 regression(s):** `enqueue`" in text
+    assert "| `enqueue` ↑ | msg/s | 1,000 | 800 | -20.0% | 10% | **REGRESSED** |" in text
+    # informational figures are folded away, without a limit column
+    assert "<details><summary>1 informational figure(s), not gated</summary>" in text
+    gated_part, info_part = text.split("<details>")
+    assert "lua_overhead_us" not in gated_part and "`enqueue`" not in info_part
+    assert "| `lua_overhead_us` ↓ | us | 5.000 | 9.000 | +80.0% | info |" in text
+    assert "`aaaaaaaaaaaa`" in text and "`bbbbbbbbbbbb`" in text
+
+
+def test_markdown_of_a_clean_comparison_says_pass(tmp_path: Path) -> None:
+    base_file = write(tmp_path / "base.json", *BASE)
+    md = tmp_path / "compare.md"
+    assert (
+        invoke("compare", str(base_file), str(base_file), "10", "--markdown", str(md)).exit_code
+        == 0
+    )
+    assert md.read_text().startswith("### fila-bench: pass")
+
+
+def test_aggregate_carries_failures_so_compare_fails(tmp_path: Path) -> None:
+    good = write(tmp_path / "good.json", *BASE)
+    bad = write(tmp_path / "bad.json", *BASE)
+    doc = json.loads(bad.read_text())
+    doc["failures"] = [{"benchmark": "fairness", "error": "2.1 pp off"}]
+    bad.write_text(json.dumps(doc))
+    median = tmp_path / "median.json"
+    assert invoke("aggregate", str(median), str(good), str(bad), str(good)).exit_code == 0
+    result = invoke("compare", str(good), str(median), "10")
+    assert result.exit_code == 1 and "2.1 pp off" in result.output
+
+
+def test_a_case_missing_a_promised_figure_fails(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def partial(ctx: Context) -> list[Result]:
+        return [Result("a_rate", 5.0, "msg/s", True)]
+
+    cases = [Case("partial", ("a_rate", "b_rate", "c_opt"), partial, optional=("c_opt",))]
+    monkeypatch.setattr(fila_bench.cli, "all_cases", lambda: cases)
+    out = tmp_path / "r.json"
+    result = invoke("system", "--out", str(out), "--cpus", "off")
+    assert result.exit_code == 1
+    doc = json.loads(out.read_text())
+    assert doc["failures"] == [{"benchmark": "partial", "error": "no figure for b_rate"}]
+
+
+def test_ratios_are_gated_and_their_raw_rates_are_not() -> None:
+    results = [
+        Result("x_rate", 3000.0, "msg/s", True),
+        Result("x_overhead_pct", 2.0, "%", False, gated=False),
+        Result("y_p99_ms", 4.0, "ms", False),
+    ]
+    out = {r.name: r for r in with_ratios(results, ("x_rate",), 6000.0)}
+    assert out["x_rate_ratio"] == Result("x_rate_ratio", 0.5, "ratio", True, True)
+    assert out["x_rate"].gated is False and out["x_rate"].value == 3000.0
+    assert out["y_p99_ms"].gated is True and "x_overhead_pct_ratio" not in out
+
+
+def test_ceiling_rows_report_median_and_in_run_spread() -> None:
+    ceiling, spread = ceiling_rows([5000.0, 6000.0, 5500.0])
+    assert (ceiling.name, ceiling.value, ceiling.gated) == ("echo_ceiling_50c", 5500.0, False)
+    assert spread.value == pytest.approx(1000 / 5500 * 100)
+
+
+# --- figures that mean what their names say ------------------------------------------
+
+
+def test_fairness_window_slides_over_the_whole_run() -> None:
+    """A run that is fair in its first window but not later must be caught."""
+    cycle = [f"tenant-{w}" for w in FAIRNESS_WEIGHTS for _ in range(w)]  # exact shares
+    fair = cycle * 400  # 6,000 deliveries
+    # then 2,000 deliveries in which tenant-5 gets nothing
+    skewed = [f"tenant-{w}" for w in (1, 2, 3, 4) for _ in range(w * 2)] * 100
+    deviation_fair, _ = max_window_deviation(fair, 5_000, 100)
+    assert deviation_fair < 0.1  # windows not aligned to the 15-delivery cycle
+    first_window_only, _ = max_window_deviation((fair + skewed)[:5_000], 5_000, 100)
+    assert first_window_only < 0.1
+    deviation, worst_at = max_window_deviation(fair + skewed, 5_000, 100)
+    assert deviation > 5 and worst_at == 3_000
+
+
+def test_paced_yields_the_schedule_not_the_send() -> None:
+    """After a stall, the overdue ticks carry their scheduled times (no coordinated
+    omission): latency measured from them includes the wait behind the stall."""
+
+    async def run() -> list[tuple[float, float]]:
+        got: list[tuple[float, float]] = []
+        async for scheduled in paced(100.0, lambda: len(got) >= 10):
+            got.append((scheduled, time.perf_counter()))
+            if len(got) == 2:
+                await asyncio.sleep(0.05)  # a stalled answer, five ticks long
+        return got
+
+    ticks = asyncio.run(run())
+    scheduled = [s for s, _ in ticks]
+    assert all(b - a == pytest.approx(0.01, abs=1e-6) for a, b in itertools.pairwise(scheduled))
+    # the ticks right after the stall were sent late, and say so
+    assert ticks[3][1] - ticks[3][0] > 0.02
+
+
+def test_cpu_plan_parses_and_refuses_overlap() -> None:
+    usable = sorted(os.sched_getaffinity(0))
+    assert plan("off") is None
+    auto = plan("auto")
+    if len(usable) >= 2:
+        assert auto is not None and auto.server == {usable[-1]} and usable[-1] not in auto.client
+    with pytest.raises(PinningError, match="overlap"):
+        plan(f"{usable[0]}:{usable[0]}")
+    with pytest.raises(PinningError):
+        plan("nonsense")
+
+
+# --- charts, spread -----------------------------------------------------------------
+
+
+def test_charts_are_valid_pngs(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    from PIL import Image
+
+    figures = [
+        entry(f"{label}_{kind}_{n}c", 1000.0 * n**0.5, "msg/s", True)
+        for label in ("durable", "buffered")
+        for kind in ("enqueue", "drain")
+        for n in (1, 8, 50)
+    ]
+    figures += [
+        entry("echo_ceiling_50c", 6000.0, "msg/s", True, gated=False),
+        entry("durable_enqueue_50c_ratio", 0.5, "ratio", True),
+        entry("latency_p50_ms", 1.5, "ms", False),
+        entry("latency_p99_ms", 3.0, "ms", False),
+        *(entry(f"fairness_share_w{w}_pct", w / 15 * 100, "%", True, False) for w in range(1, 6)),
+        entry("consume_keys_10", 3000.0, "msg/s", True),
+        entry("consume_consumers_100", 3500.0, "msg/s", True),
+    ]
+    results = write(tmp_path / "r.json", *figures)
+    out = tmp_path / "charts"
+    result = invoke("charts", str(results), str(out))
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in out.iterdir())
+    assert names == [
+        "fairness.png",
+        "latency.png",
+        "ratio_to_ceiling.png",
+        "scaling.png",
+        "throughput_vs_connections.png",
+    ]
+    for path in out.iterdir():
+        assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        with Image.open(path) as image:
+            image.verify()
+        with Image.open(path) as image:
+            assert image.size == (800, 480)
+
+
+def test_charts_skip_what_the_results_lack(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    results = write(tmp_path / "r.json", entry("latency_p50_ms", 1.5, "ms", False))
+    out = tmp_path / "charts"
+    assert invoke("charts", str(results), str(out)).exit_code == 0
+    assert [p.name for p in out.iterdir()] == ["latency.png"]
+
+
+def test_spread_suggests_a_threshold_above_the_noise(tmp_path: Path) -> None:
+    runs = [
+        write(tmp_path / f"run{i}.json", entry("r_ratio", v, "ratio", True))
+        for i, v in enumerate([0.50, 0.52, 0.48, 0.40, 0.51])
+    ]
+    md = tmp_path / "spread.md"
+    result = invoke("spread", *map(str, runs), "--markdown", str(md))
+    assert result.exit_code == 0, result.output
+    # median 0.50, worst run 0.40: 20% off; plus a quarter -> 25%
+    assert "| `r_ratio` | ratio | yes | 0.5 | 0.4 | 0.52 | 20.0% |" in md.read_text()
+    assert md.read_text().rstrip().endswith("| 25% |")
+    quiet = [Spread("q", "ratio", True, 10, 1.0, 0.99, 1.01, 1.0, 0.5)]
+    assert quiet[0].suggested_threshold_pct == 10  # never below the CI threshold
+
+
+# --- the CI scripts -----------------------------------------------------------------
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_ci_run_exercises_every_script_the_workflows_call() -> None:
+    """A workflow step that .ci/run never runs can rot unseen."""
+    ci_run = (REPO / ".ci" / "run").read_text()
+    called: set[str] = set()
+    for workflow in (REPO / ".github" / "workflows").glob("*.yml"):
+        for step in yaml_run_lines(workflow.read_text()):
+            called.update(re.findall(r"((?:scripts|\.ci)/[\w./-]+)", step))
+    assert "scripts/bench-runs.sh" in called and "scripts/bench-compare.sh" in called
+    called.discard(".ci/run")  # the ci workflow's one step is .ci/run itself
+    missing = sorted(c for c in called if c not in ci_run)
+    assert not missing, f"workflows call scripts .ci/run does not run: {missing}"
+    for script in called:
+        assert (REPO / script).is_file(), script
+
+
+def yaml_run_lines(text: str) -> list[str]:
+    """The `run:` commands of a workflow (single-line or folded), without a YAML parser."""
+    lines, out, inside = text.splitlines(), [], False
+    for line in lines:
+        stripped = line.strip()
+        if stripped.startswith("run:"):
+            out.append(stripped[4:])
+            inside = stripped[4:].strip() in ("|", ">-", ">", "|-")
+        elif inside and stripped and not re.match(r"^-?\s*[\w-]+:", stripped):
+            out.append(stripped)
+        else:
+            inside = False
+    return out
+
+
+def test_pr_comment_has_one_marker_and_links_the_run(tmp_path: Path) -> None:
+    md = tmp_path / "compare.md"
+    md.write_text("### fila-bench: pass\n")
+    argv = [
+        sys.executable,
+        str(REPO / "scripts" / "bench-pr-comment.py"),
+        "--body",
+        str(md),
+        "--repo",
+        "o/r",
+        "--pr",
+        "7",
+        "--run-url",
+        "https://example.invalid/run/1",
+        "--dry-run",
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("<!-- fila-bench-regression -->") == 1
+    assert "o/r#7" in proc.stdout and "https://example.invalid/run/1" in proc.stdout
+    missing = [*argv[:3], str(tmp_path / "absent.md"), *argv[4:]]
+    assert subprocess.run(missing, capture_output=True, timeout=30).returncode == 1
