@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fila_bench.published import PUBLISHED
 from fila_bench.results import Report
 
 if TYPE_CHECKING:
@@ -116,11 +117,21 @@ def _latency(fig: Figure, values: Values, title: str) -> bool:
     if not xs:
         return False
     ax = fig.add_subplot()
-    labels = [names[i].split("_")[1] for i in xs]
-    bars = ax.bar(labels, ys)
-    ax.bar_label(bars, fmt="%.2f ms")
+    width = 0.4
+    ours = ax.bar([i - width / 2 for i in xs], ys, width, label="ours")
+    ax.bar_label(ours, fmt="%.2f")
+    theirs = ax.bar(
+        [i + width / 2 for i in xs],
+        [PUBLISHED[names[i]] for i in xs],
+        width,
+        color="lightgrey",
+        label="Rust Fila, published (theirs, their hardware)",
+    )
+    ax.bar_label(theirs, fmt="%.2f")
+    ax.set_xticks(xs, [names[i].split("_")[1] for i in xs])
     ax.set_ylabel("ms, enqueue to delivery (from the scheduled send)")
     ax.set_title(f"Latency at 200 msg/s, durable ({title})")
+    ax.legend()
     return True
 
 
@@ -154,11 +165,14 @@ def _scaling(fig: Figure, values: Values, title: str) -> bool:
     if not keys[0] and not consumers[0]:
         return False
     left, right = fig.subplots(1, 2)
-    for ax, (xs, ys), levels, label in (
-        (left, keys, KEY_COUNTS, "fairness keys"),
-        (right, consumers, CONSUMER_COUNTS, "consumers"),
+    for ax, (xs, ys), levels, label, prefix in (
+        (left, keys, KEY_COUNTS, "fairness keys", "consume_keys_"),
+        (right, consumers, CONSUMER_COUNTS, "consumers", "consume_consumers_"),
     ):
-        ax.plot([levels[i] for i in xs], ys, "-o")
+        ax.plot([levels[i] for i in xs], ys, "-o", label="ours")
+        theirs = [PUBLISHED[f"{prefix}{n}"] for n in levels]
+        ax.plot(levels, theirs, ":s", color="grey", label="Rust Fila, published (theirs)")
+        ax.legend(fontsize=8)
         ax.set_xscale("log")
         ax.set_xticks(levels, [f"{n:,}" for n in levels])
         ax.set_xlabel(label)
