@@ -160,7 +160,7 @@ async def _run_cases(
 
             bracket = ceiling if needs_ceiling(case) else None
             if bracket is not None and before is None:
-                before = await _window(bracket, profile, status)
+                before = await _window(bracket, profile, status, report)
             status("starting broker")
             started = time.perf_counter()
             results: list[Result] = []
@@ -180,21 +180,30 @@ async def _run_cases(
             seconds[case.name] = round(time.perf_counter() - started, 1)
             if not failed and (missing := _missing(case, results)):
                 report.failures.append(Failure(case.name, f"no figure for {', '.join(missing)}"))
+            after = None
             if bracket is not None and before is not None:
-                after = await _window(bracket, profile, status)
+                after = await _window(bracket, profile, status, report)
+            if before is not None and after is not None:
                 results = with_ratios(results, case.ratios, (before + after) / 2)
-                before = after
-            else:
-                before = None
+            before = after
+            if bracket is not None and after is None:
+                ceiling = None  # the echo server failed (recorded): no more ratios
             report.results += results
             progress.advance(task)
     if ceiling is not None and ceiling.windows:
         report.results += ceiling_rows(ceiling.windows)
 
 
-async def _window(ceiling: EchoCeiling, profile: Profile, status: Callable[[str], None]) -> float:
+async def _window(
+    ceiling: EchoCeiling, profile: Profile, status: Callable[[str], None], report: Report
+) -> float | None:
+    """One echo window, or None (and a recorded failure) if the echo server broke."""
     status(f"{ECHO_CASE} window")
-    return await ceiling.measure(profile.ceiling_warmup_s, profile.ceiling_measure_s)
+    try:
+        return await ceiling.measure(profile.ceiling_warmup_s, profile.ceiling_measure_s)
+    except* _CASE_FAILURES as group:
+        report.failures.append(Failure(ECHO_CASE, _describe(_leaves(group)[0])))
+    return None
 
 
 def with_ratios(results: list[Result], names: Sequence[str], ceiling: float) -> list[Result]:
