@@ -31,7 +31,7 @@ class Case:
     outputs: tuple[str, ...]  # result names, in the order the case returns them
     run: Callable[[Context], Awaitable[list[Result]]]
     # Outputs that are closed-loop rates: the runner also reports each as a ratio to
-    # `echo_ceiling_50c` measured just before and just after the case (`<name>_ratio`).
+    # `echo_ceiling_50c` measured in the same run (`<name>_ratio`).
     ratios: tuple[str, ...] = ()
     # Outputs a successful run may lack (best-effort figures); every other output
     # missing from a run that raised nothing is a failure of the benchmark.

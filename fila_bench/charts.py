@@ -105,7 +105,7 @@ def _ratios(fig: Figure, values: Values, title: str) -> bool:
     ax.barh(names, [values[n] for n in names])
     ax.invert_yaxis()
     ax.axvline(1.0, color="grey", linestyle=":")
-    ax.set_xlabel("ratio to echo_ceiling_50c measured around it")
+    ax.set_xlabel("ratio to echo_ceiling_50c of the same run")
     ax.set_title(f"Closed-loop rates against the stack's ceiling ({title})")
     ax.tick_params(axis="y", labelsize=7)
     return True

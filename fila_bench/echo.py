@@ -9,8 +9,9 @@ figure divided by it says how much of what the stack allows the broker delivers,
 which is a number that moves much less with the host than msg/s does.
 
 The runner keeps one echo server and its 50 connections for the whole run and
-measures a short window before the first throughput case and after every one, so
-each ratio is taken against the ceiling measured seconds around it, not minutes away.
+measures a short window before the first throughput case and after every one, so the
+ceiling is sampled across the run, when the broker's figures were taken, and not in
+some other run on some other host.
 
 Run as `python -m fila_bench.echo PORT`; it exits when its stdin closes, so it
 cannot outlive the benchmark that started it.

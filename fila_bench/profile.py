@@ -17,7 +17,7 @@ class Profile:
     # Time-bounded throughput windows (enqueue, RSS under load, the durability matrix).
     warmup_s: float
     measure_s: float
-    # echo_ceiling_50c: each window measured before and after a case with rates.
+    # echo_ceiling_50c: one window before the first case with rates and after each.
     ceiling_warmup_s: float
     ceiling_measure_s: float
     # Light-load end-to-end latency: one paced producer, one acking consumer.

@@ -2,7 +2,7 @@
 
 Cheap, time-bounded cases come first so a quick run reports the headline numbers
 early; the durability matrix, the longest, comes last. The echo ceiling is first:
-its windows are measured by the runner around every case with rates
+its windows are measured by the runner between the cases with rates
 (`fila_bench.runner`), and this entry makes it selectable on its own.
 """
 
@@ -53,5 +53,5 @@ def all_cases() -> list[Case]:
 
 
 async def _ceiling_only(ctx: Context) -> list[Result]:
-    """Nothing of its own: the runner's windows around it are the measurement."""
+    """Nothing of its own: the runner's windows before and after it are the measurement."""
     return []
