@@ -79,8 +79,8 @@ def throughput(name: str, msg_per_s: float) -> Result:
     return Result(name, msg_per_s, MSG_S, higher_is_better=True)
 
 
-def latency_ms(name: str, ms: float) -> Result:
-    return Result(name, ms, MS, higher_is_better=False)
+def latency_ms(name: str, ms: float, *, gated: bool = True) -> Result:
+    return Result(name, ms, MS, higher_is_better=False, gated=gated)
 
 
 @dataclass(frozen=True, slots=True)

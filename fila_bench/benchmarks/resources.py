@@ -122,9 +122,11 @@ async def _compaction(ctx: Context) -> list[Result]:
         target = baseline if sent_at < burst_start else burst if sent_at < burst_end else None
         if target is not None:
             target.record_value(max(1, int(micros)))
+    # Reported, not gated: tails of a few hundred probes on a shared host vary by
+    # more than any useful threshold (docs/benchmarks.md, "Noise and the gate").
     results = [
-        latency_ms("compaction_p99_baseline_ms", percentile_ms(baseline, 99.0)),
-        latency_ms("compaction_p99_burst_ms", percentile_ms(burst, 99.0)),
+        latency_ms("compaction_p99_baseline_ms", percentile_ms(baseline, 99.0), gated=False),
+        latency_ms("compaction_p99_burst_ms", percentile_ms(burst, 99.0), gated=False),
     ]
     if before is not None and after is not None:
         compactions = after["compaction_started"] - before["compaction_started"]
