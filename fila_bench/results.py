@@ -75,8 +75,12 @@ class Result:
             raise ResultsFileError(f"bad benchmark entry {entry!r}: {exc}") from None
 
 
-def throughput(name: str, msg_per_s: float) -> Result:
-    return Result(name, msg_per_s, MSG_S, higher_is_better=True)
+def throughput(name: str, msg_per_s: float, *, latency_bound: bool = False) -> Result:
+    """A closed-loop rate. `latency_bound`: one call in flight in all, so the rate is
+    one over a round trip, which follows how quickly a busy host schedules the two
+    processes, not how much work the broker does; such rates (and their ratios) are
+    reported but not gated (docs/benchmarks.md, "Noise and the gate")."""
+    return Result(name, msg_per_s, MSG_S, higher_is_better=True, gated=not latency_bound)
 
 
 def latency_ms(name: str, ms: float, *, gated: bool = True) -> Result:

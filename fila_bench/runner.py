@@ -212,12 +212,14 @@ async def _window(
 
 
 def with_ratios(results: list[Result], names: Sequence[str], ceiling: float) -> list[Result]:
-    """Adds `<name>_ratio` for each of `names` and ungates the raw rate it came from."""
+    """Adds `<name>_ratio` for each of `names` and ungates the raw rate it came from;
+    the ratio is gated as the rate was (a latency-bound rate stays ungated)."""
     out: list[Result] = []
     for result in results:
         if result.name in names and result.unit == MSG_S and ceiling > 0:
             out.append(dataclasses.replace(result, gated=False))
-            out.append(Result(ratio_name(result.name), result.value / ceiling, RATIO, True))
+            ratio = result.value / ceiling
+            out.append(Result(ratio_name(result.name), ratio, RATIO, True, result.gated))
         else:
             out.append(result)
     return out

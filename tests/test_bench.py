@@ -27,7 +27,7 @@ from fila_bench.case import Case, Context
 from fila_bench.cli import main
 from fila_bench.cpus import PinningError, plan
 from fila_bench.load import CheckFailed, check_at_most_once, check_exactly_once, paced
-from fila_bench.results import Result
+from fila_bench.results import Result, throughput
 from fila_bench.runner import ceiling_rows, with_ratios
 from fila_bench.spread import Spread
 
@@ -183,7 +183,7 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
         "system",
         "--quick",
         "--only",
-        "enqueue_1kb_sync_1p",
+        "enqueue_1kb_sync_50p",
         "--measure-seconds",
         "0.5",
         "--warmup-seconds",
@@ -198,21 +198,21 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
     datetime.fromisoformat(doc["timestamp"])
     by_name = {b["name"]: b for b in doc["benchmarks"]}
     assert set(by_name) == {
-        "enqueue_1kb_sync_1p",
-        "enqueue_1kb_sync_1p_ratio",
+        "enqueue_1kb_sync_50p",
+        "enqueue_1kb_sync_50p_ratio",
         "echo_ceiling_50c",
         "echo_ceiling_50c_spread_pct",
     }
     raw, ratio, ceiling = (
-        by_name["enqueue_1kb_sync_1p"],
-        by_name["enqueue_1kb_sync_1p_ratio"],
+        by_name["enqueue_1kb_sync_50p"],
+        by_name["enqueue_1kb_sync_50p_ratio"],
         by_name["echo_ceiling_50c"],
     )
     assert raw["unit"] == "msg/s" and raw["higher_is_better"] is True and raw["value"] > 0
     # the raw rate is kept for comparison with published figures; the ratio is gated
     assert raw["gated"] is False and ratio["gated"] is True
     assert ceiling["value"] > 0 and 0 < ratio["value"] < 5
-    assert "enqueue_1kb_sync_1p" in proc.stdout
+    assert "enqueue_1kb_sync_50p" in proc.stdout
 
 
 # --- per-figure noise thresholds, Markdown, missing figures ---------------------------
@@ -301,9 +301,12 @@ def test_ratios_are_gated_and_their_raw_rates_are_not() -> None:
         Result("x_overhead_pct", 2.0, "%", False, gated=False),
         Result("y_p99_ms", 4.0, "ms", False),
     ]
-    out = {r.name: r for r in with_ratios(results, ("x_rate",), 6000.0)}
+    results.append(throughput("one_conn_rate", 600.0, latency_bound=True))
+    out = {r.name: r for r in with_ratios(results, ("x_rate", "one_conn_rate"), 6000.0)}
     assert out["x_rate_ratio"] == Result("x_rate_ratio", 0.5, "ratio", True, True)
     assert out["x_rate"].gated is False and out["x_rate"].value == 3000.0
+    # one call in flight: a round trip, not broker work; reported, never gated
+    assert out["one_conn_rate_ratio"] == Result("one_conn_rate_ratio", 0.1, "ratio", True, False)
     assert out["y_p99_ms"].gated is True and "x_overhead_pct_ratio" not in out
 
 

@@ -42,7 +42,7 @@ def _case(mode: PersistMode, producers: int) -> Case:
             finally:
                 if producers != 1:
                     await close_all(conns)
-        return [throughput(name, run.rate)]
+        return [throughput(name, run.rate, latency_bound=producers == 1)]
 
     return Case(name, (name,), run, ratios=(name,))
 

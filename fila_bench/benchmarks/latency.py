@@ -71,11 +71,11 @@ async def _run(ctx: Context) -> list[Result]:
             lambda: f"{len(received)}/{len(sent)} received",
         )
     check_exactly_once("latency", sent, received)
-    # Only the median is gated: on a shared two-core host the tail moves by several
-    # times from run to run (docs/benchmarks.md, "Noise and the gate"), more than any
-    # threshold that would still catch a regression; p95 and p99 are reported.
+    # Reported, not gated: one message in flight measures how quickly a busy host
+    # schedules the processes; on a shared two-core host the median moved 40-fold and
+    # the tail more (docs/benchmarks.md, "Noise and the gate").
     return [
-        latency_ms(name, percentile_ms(hist, pct), gated=pct == 50.0)
+        latency_ms(name, percentile_ms(hist, pct), gated=False)
         for name, pct in zip(OUTPUTS, (50.0, 95.0, 99.0), strict=True)
     ]
 
