@@ -45,7 +45,7 @@ def all_cases() -> list[Case]:
         *throttle.CASES,
         *resources.CASES,
         *durability.CASES,
-        # The batch paths of SPEC 8 (issue 7 item 5) go here, each a case of its own
+        # The batch paths (issue 7 item 5) go here, each a case of its own
         # with its rates listed in `ratios`, once fila_sdk has the batch calls they
         # drive: SDK batched single producer (1 KB), lifecycle through `Worker`,
         # batched drain, and RSS with 1,000,000 ready messages.
