@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 import fila_bench.cli
 from fila_bench.benchmarks.scheduling import FAIRNESS_WEIGHTS, max_window_deviation
+from fila_bench.benchmarks.throttle import steady_rate
 from fila_bench.case import Case, Context
 from fila_bench.cli import main
 from fila_bench.cpus import PinningError, plan
@@ -486,3 +487,22 @@ def test_pr_comment_has_one_marker_and_links_the_run(tmp_path: Path) -> None:
     assert "o/r#7" in proc.stdout and "https://example.invalid/run/1" in proc.stdout
     missing = [*argv[:3], str(tmp_path / "absent.md"), *argv[4:]]
     assert subprocess.run(missing, capture_output=True, timeout=30).returncode == 1
+
+
+def test_throttle_steady_rate_survives_a_stalled_reader() -> None:
+    """20/s for 4 s, read by a reader that stalled: the messages the broker sent during
+    the stall arrive at once when it resumes, at the window's start or inside it, or
+    past its end. The rate is still 20/s, and a leak still shows."""
+    on_time = [0.6 + i / 20 for i in range(89)]  # 0.6 s .. 5.0 s
+
+    def window(arrivals: list[float]) -> list[float]:
+        return [t for t in arrivals if 1.0 < t <= 5.0]
+
+    bunched_at_start = [max(t, 1.05) for t in on_time]
+    stalled_at_end = [5.2 if t > 4.6 else t for t in on_time]
+    stalled_inside = [3.0 if 2.5 <= t < 3.0 else t for t in on_time]
+    for arrivals in (on_time, bunched_at_start, stalled_at_end, stalled_inside):
+        assert steady_rate(window(arrivals)) == pytest.approx(20.0)
+    leaking = [1.0 + i / 25 for i in range(101)]
+    assert steady_rate(leaking) == pytest.approx(25.0)
+    assert steady_rate([1.0]) == 0.0
