@@ -43,10 +43,10 @@ class Profile:
 QUICK = Profile(
     name="quick",
     reps=1,
-    jobs_by_connections={1: 300, 50: 1_500},
-    latency_rounds=200,
+    jobs_by_connections={1: 500, 50: 2_500},
+    latency_rounds=300,
     latency_warmup=20,
-    batched_jobs=3_000,
+    batched_jobs=5_000,
     payload_sizes=(),
     payload_jobs=0,
     lifecycle_jobs=0,
