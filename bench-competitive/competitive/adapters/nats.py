@@ -21,7 +21,7 @@ import shutil
 import subprocess
 from collections.abc import Callable, Sequence
 from functools import cache
-from typing import ClassVar, Final
+from typing import Any, ClassVar, Final
 
 import nats
 import nats.errors
@@ -65,12 +65,18 @@ def has_sync_interval() -> bool:
     return _server_version() >= (2, 10, 0)
 
 
-async def _connect(port: int) -> NatsClient:
+async def _quiet(_: Exception) -> None:
+    """Readiness probes expect refused connections; nats-py would log each one."""
+
+
+async def _connect(port: int, *, probing: bool = False) -> NatsClient:
+    options: dict[str, Any] = {"error_cb": _quiet} if probing else {}
     return await nats.connect(
         f"nats://127.0.0.1:{port}",
         connect_timeout=2,
         allow_reconnect=False,
         max_reconnect_attempts=0,
+        **options,
     )
 
 
@@ -185,7 +191,7 @@ class Nats(BrokerAdapter):
 
     async def probe(self) -> bool:
         try:
-            nc = await _connect(self.port)
+            nc = await _connect(self.port, probing=True)
         except (nats.errors.NoServersError, OSError):
             return False
         try:
