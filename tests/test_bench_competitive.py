@@ -270,6 +270,12 @@ def test_markdown_of_a_clean_quiet_run_says_so() -> None:
     assert "every one of the 5 measured rows ended with exact counts" in text
 
 
+def test_markdown_says_when_a_run_is_not_complete() -> None:
+    summary = _summary(_rows())
+    summary.machine["run"]["state"] = "interrupted: fila"
+    assert "**Not a complete run** (interrupted: fila)" in markdown.render(summary)
+
+
 def test_published_figures_are_quoted_for_the_brokers_that_cannot_run() -> None:
     brokers = " ".join(q.broker for q in PUBLISHED)
     for name in ("Kafka", "Faktory", "sepp", "bunqueue"):

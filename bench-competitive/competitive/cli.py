@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from competitive.adapters import NAMES, load
-from competitive.model import MODES, Mode
+from competitive.model import MODES, Measurement, Mode
 
 if TYPE_CHECKING:  # the real imports wait until the process is pinned (see _main)
     from rich.console import Console
@@ -166,6 +166,42 @@ async def _main(
             f"[yellow]load average {load_start} at start: the machine is busy; expect noise"
         )
 
+    def summarize(measurements: list[Measurement], state: str) -> Summary:
+        """The summary of what was measured; `state` is "complete" or why it is not."""
+        run_info: dict[str, Any] = {
+            "profile": profile.name,
+            "reps": profile.reps,
+            "command": command,
+            "duration_s": round(time.monotonic() - started, 1),
+            "loadavg": {"start": load_start, "end": machine.loadavg()},
+            "busy": max(load_start, machine.loadavg()) > machine.BUSY_LOADAVG,
+            "client_cpu": client_cpu,
+            "broker_cpu": broker_cpu,
+            "state": state,
+        }
+        return Summary(
+            commit=machine.commit(REPO),
+            timestamp=timestamp,
+            machine={**described, "run": run_info},
+            placement=_placement_text(broker_cpu, client_cpu),
+            rows=aggregate(measurements),
+        )
+
+    def save(summary: Summary, charts_too: bool) -> list[Path]:
+        write(summary, out / "summary.json")
+        (out / "RESULTS.md").write_text(markdown.render(summary), encoding="utf-8")
+        return _charts(summary, out, console) if charts_too else []
+
+    def checkpoint(measurements: list[Measurement]) -> None:
+        brokers = sorted({m.key.broker for m in measurements})
+        save(summarize(measurements, f"partial: finished {', '.join(brokers)} so far"), False)
+
+    so_far: list[Measurement] = []
+
+    def keep(measurements: list[Measurement]) -> None:
+        so_far[:] = measurements
+        checkpoint(measurements)
+
     interactive = console.is_terminal
     with console.status("starting") as status:
 
@@ -176,37 +212,21 @@ async def _main(
                 console.log(text)
 
         try:
-            measurements = await run(config, report)
+            measurements = await run(config, report, keep)
         except asyncio.CancelledError:
-            console.log("[red]interrupted: brokers stopped, nothing written")
+            if so_far:
+                state = "interrupted: " + ", ".join(sorted({m.key.broker for m in so_far}))
+                save(summarize(so_far, state), True)
+                console.log(f"[red]interrupted: brokers stopped; partial results in {out}")
+            else:
+                console.log("[red]interrupted: brokers stopped, nothing written")
             return 130
-    rows = aggregate(measurements)
-    load_end = machine.loadavg()
-    run_info: dict[str, Any] = {
-        "profile": profile.name,
-        "reps": profile.reps,
-        "command": command,
-        "duration_s": round(time.monotonic() - started, 1),
-        "loadavg": {"start": load_start, "end": load_end},
-        "busy": max(load_start, load_end) > machine.BUSY_LOADAVG,
-        "client_cpu": client_cpu,
-        "broker_cpu": broker_cpu,
-    }
-    described["run"] = run_info
-    summary = Summary(
-        commit=machine.commit(REPO),
-        timestamp=timestamp,
-        machine=described,
-        placement=_placement_text(broker_cpu, client_cpu),
-        rows=rows,
-    )
-    write(summary, out / "summary.json")
-    (out / "RESULTS.md").write_text(markdown.render(summary), encoding="utf-8")
-    charts = _charts(summary, out, console)
+    summary = summarize(measurements, "complete")
+    charts = save(summary, True)
     _print(console, summary)
     console.log(
         f"wrote {out / 'summary.json'}, {out / 'RESULTS.md'} and {len(charts)} chart(s) "
-        f"in {run_info['duration_s']} s"
+        f"in {summary.machine['run']['duration_s']} s"
     )
     failed = summary.failed
     if failed:

@@ -48,13 +48,21 @@ def all_keys(cells: Sequence[Cell], broker: str, mode: Mode) -> list[tuple[CellK
     return keys + resource_keys(broker, mode)
 
 
-async def run(config: RunConfig, status: Status) -> list[Measurement]:
+async def run(
+    config: RunConfig,
+    status: Status,
+    done: Callable[[list[Measurement]], None] | None = None,
+) -> list[Measurement]:
+    """Every broker and mode in turn; `done` gets everything measured so far after each
+    one, so a long run that is interrupted still leaves what it finished."""
     cells = plan(config.profile)
     out: list[Measurement] = []
     for name in config.brokers:
         adapter_cls = load(name)
         for mode in config.modes:
             out += await run_broker(adapter_cls, mode, config, cells, status)
+            if done is not None:
+                done(list(out))
     return out
 
 

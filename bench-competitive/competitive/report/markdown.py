@@ -332,6 +332,9 @@ def _preamble(summary: Summary, run: dict[str, Any]) -> list[str]:
         f"p99 {fsync.get('p99', '?')} ms.",
         f"- Placement: {summary.placement}.",
     ]
+    state = str(run.get("state", "complete"))
+    if state != "complete":
+        lines.append(f"- **Not a complete run** ({state}): brokers missing below were not run.")
     start, end = load.get("start"), load.get("end")
     if run.get("busy"):
         lines.append(
