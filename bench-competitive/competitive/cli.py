@@ -157,6 +157,7 @@ async def _main(
     load_start = machine.loadavg()
     started = time.monotonic()
     timestamp = datetime.now(UTC).isoformat(timespec="seconds")
+    measured_commit = machine.commit(REPO)  # at the start: the code that was measured
     config = RunConfig(profile, args.broker_list, args.mode_list, broker_cpu, uuid.uuid4().hex[:8])
     console.log(
         f"{command}: {profile.name} profile, placement: {_placement_text(broker_cpu, client_cpu)}"
@@ -180,7 +181,7 @@ async def _main(
             "state": state,
         }
         return Summary(
-            commit=machine.commit(REPO),
+            commit=measured_commit,
             timestamp=timestamp,
             machine={**described, "run": run_info},
             placement=_placement_text(broker_cpu, client_cpu),
