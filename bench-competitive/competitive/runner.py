@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -102,7 +103,9 @@ async def run_broker(
                     out += outcome.measurements
                     jobs += outcome.jobs
                 usage = sampler.end_window()
-                out += _resources(name, mode, usage.cpu_seconds, usage.peak_rss_mib, jobs, note)
+                load = f"load average {os.getloadavg()[0]:.1f} at its end"
+                notes = "; ".join(n for n in (load, note) if n)
+                out += _resources(name, mode, usage.cpu_seconds, usage.peak_rss_mib, jobs, notes)
         finally:
             if sampler_task is not None:
                 sampler_task.cancel()
