@@ -7,6 +7,7 @@ scripts/setup.sh
 stamp=.venv/.fila-bench-installed
 want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
 if [[ ! -f "$stamp" || "$(cat "$stamp")" != "$want" ]]; then
-  .venv/bin/python -m pip install --quiet -e '.[dev,bench]'
+  # only adds the extra: what scripts/setup.sh installed stays as it is
+  .venv/bin/python -m pip install --quiet -e '.[bench]'
   echo "$want" > "$stamp"
 fi
