@@ -2,7 +2,8 @@
 # Runs the competitive harness (bench-competitive/run.py) into OUT_DIR, or says
 # plainly that there is none yet and exits 0, so the workflow and .ci/run can call it
 # before the harness lands.
-#   scripts/bench-competitive.sh --quick|--full OUT_DIR
+#   scripts/bench-competitive.sh --quick|--full OUT_DIR [BROKERS]
+# BROKERS (comma-separated, e.g. fila,redis) limits the run; default: all five.
 set -euo pipefail
 here="$(cd "$(dirname "$0")/.." && pwd)"
 usage="usage: bench-competitive.sh --quick|--full OUT_DIR"
@@ -12,6 +13,10 @@ case "${1:-}" in
   *) echo "$usage" >&2; exit 2 ;;
 esac
 out="${2:?$usage}"
+brokers=()
+if [[ -n "${3:-}" ]]; then
+  brokers=(--brokers "$3")
+fi
 
 if [[ ! -f "$here/bench-competitive/run.py" ]]; then
   echo "bench-competitive/run.py does not exist: no competitive harness to run, skipping."
@@ -25,4 +30,4 @@ if grep -q '^bench = \[' "$here/pyproject.toml"; then
   "$here/.venv/bin/python" -m pip install --quiet -e "$here[bench]"
 fi
 mkdir -p "$out"
-"$here/.venv/bin/python" "$here/bench-competitive/run.py" "${quick[@]}" --out "$out"
+"$here/.venv/bin/python" "$here/bench-competitive/run.py" "${quick[@]}" "${brokers[@]}" --out "$out"
