@@ -173,8 +173,9 @@ class Broker:
             if not queue.deleted:
                 self.delivery.pump(queue)
 
-    def schedule_expiry(self, queue: Queue, lease: Lease) -> None:
-        self.timers.at(lease.deadline_ms, self._expire, (queue, lease))
+    def schedule_expiry(self, queue: Queue, deadline_ms: int) -> None:
+        """Arms the timer for `queue`'s leases due at `deadline_ms` (one per millisecond)."""
+        self.timers.at(deadline_ms, self._expire, (queue, deadline_ms))
 
     def ready_after_commit(self, queue: Queue, refs: Sequence[MessageRef], *, fresh: bool) -> None:
         """Makes `refs` deliverable once the write that produced their records is
@@ -391,15 +392,19 @@ class Broker:
         self.committer.delete(lease.ref.key)
         queue.counters.acked += 1
 
-    def _expire(self, subject: tuple[Queue, Lease]) -> None:
-        queue, lease = subject
-        if not lease.active or queue.deleted or lease.deadline_ms > self.clock.now_ms():
-            return  # settled, or extended (a later timer entry covers it)
-        if not lease.sent:
-            self.return_unsent(queue, lease)
+    def _expire(self, subject: tuple[Queue, int]) -> None:
+        """Timer callback: the leases of `queue` due at a deadline ran out."""
+        queue, deadline_ms = subject
+        if queue.deleted:
             return
-        queue.counters.expired += 1
-        self._fail(queue, lease, "visibility timeout expired", run_hook=False)
+        for lease in queue.leases.due(deadline_ms):
+            if not lease.active:
+                continue
+            if not lease.sent:
+                self.return_unsent(queue, lease)
+                continue
+            queue.counters.expired += 1
+            self._fail(queue, lease, "visibility timeout expired", run_hook=False)
 
     def return_unsent(self, queue: Queue, lease: Lease) -> None:
         """A leased message never reached its consumer: back to ready, no attempt counted."""
@@ -467,11 +472,14 @@ def _truncate(text: str, limit: int) -> str:
 
 
 def _timer_subject_is_live(subject: object) -> bool:
-    """Whether a timer entry can still matter (see `Timers`): leases that ended and
-    delayed messages that moved are dead; throttle wake-ups are cheap and kept."""
+    """Whether a timer entry can still matter (see `Timers`): an expiry whose leases
+    all ended and a delayed message that moved are dead; throttle wake-ups are cheap
+    and kept."""
     if isinstance(subject, tuple):
         queue, item = subject
-        if isinstance(item, Lease):
-            return item.active
-        return not queue.deleted and queue.delayed.get(item.key) is item
+        if queue.deleted:
+            return False
+        if isinstance(item, int):
+            return bool(queue.leases.has_due(item))
+        return bool(queue.delayed.get(item.key) is item)
     return True

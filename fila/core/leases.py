@@ -10,6 +10,11 @@ The record is written when the stream hands the message to gRPC (`sent`), one
 WAL append per frame, not when the message is queued for the stream: after a
 crash, a message that never left the broker is ready at once and counts no
 attempt, while one that left comes back as leased, with its deadline.
+
+Expiry is bucketed by deadline millisecond: leases granted in the same
+millisecond share one timer entry, and a lease leaves its bucket when it ends, so
+the timer heap grows with distinct deadlines, not with messages, and holds no
+settled lease.
 """
 
 from __future__ import annotations
@@ -23,16 +28,18 @@ from fila.storage.committer import Committer
 
 
 class LeaseTable:
-    __slots__ = ("_by_key", "_committer", "_on_room", "_ring", "_schedule_expiry")
+    __slots__ = ("_by_key", "_committer", "_expiring", "_on_room", "_ring", "_schedule_expiry")
 
     def __init__(
         self,
         ring: ConsumerRing,
         committer: Committer,
-        schedule_expiry: Callable[[Lease], None],
+        schedule_expiry: Callable[[int], None],
         on_room: Callable[[], None],
     ) -> None:
         self._by_key: dict[bytes, Lease] = {}
+        # deadline ms -> the active leases due then (by message key)
+        self._expiring: dict[int, dict[bytes, Lease]] = {}
         self._ring = ring
         self._committer = committer
         self._schedule_expiry = schedule_expiry
@@ -52,7 +59,7 @@ class LeaseTable:
     ) -> Lease:
         lease = Lease(ref, now_ms + timeout_ms, now_ms, consumer, size)
         self._by_key[ref.key] = lease
-        self._schedule_expiry(lease)
+        self._add_expiry(lease)
         return lease
 
     def restore(self, ref: MessageRef, deadline_ms: int, leased_at_ms: int) -> Lease:
@@ -60,7 +67,7 @@ class LeaseTable:
         lease = Lease(ref, deadline_ms, leased_at_ms, None, 0)
         lease.sent = True
         self._by_key[ref.key] = lease
-        self._schedule_expiry(lease)
+        self._add_expiry(lease)
         return lease
 
     def sent(self, leases: Iterable[Lease]) -> list[Lease]:
@@ -85,18 +92,43 @@ class LeaseTable:
         return live
 
     def extend(self, lease: Lease, deadline_ms: int) -> None:
+        self._drop_expiry(lease)
         lease.deadline_ms = deadline_ms
         if lease.sent:
             self._committer.put(
                 keys.lease_key(lease.ref.key), keys.encode_lease(deadline_ms, lease.leased_at_ms)
             )
-        self._schedule_expiry(lease)
+        self._add_expiry(lease)
+
+    def due(self, deadline_ms: int) -> list[Lease]:
+        """Takes out the leases whose deadline is `deadline_ms` (timer callback)."""
+        bucket = self._expiring.pop(deadline_ms, None)
+        return list(bucket.values()) if bucket else []
+
+    def has_due(self, deadline_ms: int) -> bool:
+        """Whether a timer entry for `deadline_ms` still has leases to expire."""
+        return deadline_ms in self._expiring
+
+    def _add_expiry(self, lease: Lease) -> None:
+        bucket = self._expiring.get(lease.deadline_ms)
+        if bucket is None:
+            bucket = self._expiring[lease.deadline_ms] = {}
+            self._schedule_expiry(lease.deadline_ms)
+        bucket[lease.ref.key] = lease
+
+    def _drop_expiry(self, lease: Lease) -> None:
+        bucket = self._expiring.get(lease.deadline_ms)
+        if bucket is not None:
+            bucket.pop(lease.ref.key, None)
+            if not bucket:
+                del self._expiring[lease.deadline_ms]
 
     def end(self, lease: Lease) -> None:
         """Ends an active lease: out of the table, its record deleted, its slot returned."""
         lease.active = False
         key = lease.ref.key
         del self._by_key[key]
+        self._drop_expiry(lease)
         if lease.sent:
             self._committer.delete(keys.lease_key(key))
         consumer = lease.consumer

@@ -17,7 +17,7 @@ from fila.core.consumers import ConsumerRing
 from fila.core.drr import Drr, FairnessKey
 from fila.core.errors import InvalidArgument, clip
 from fila.core.leases import LeaseTable
-from fila.core.records import Lease, MessageRef
+from fila.core.records import MessageRef
 from fila.core.stats import MAX_TRACKED_KEYS, QueueCounters
 from fila.lua.hooks import QueueHooks
 from fila.storage.committer import Committer
@@ -85,7 +85,7 @@ class Queue:
         hooks: QueueHooks | None,
         quantum: int,
         committer: Committer,
-        schedule_expiry: Callable[[Queue, Lease], None],
+        schedule_expiry: Callable[[Queue, int], None],
         mark_dirty: Callable[[Queue], None],
     ) -> None:
         self.record = record
@@ -95,7 +95,7 @@ class Queue:
         self.leases = LeaseTable(
             self.consumers,
             committer,
-            lambda lease: schedule_expiry(self, lease),
+            lambda deadline_ms: schedule_expiry(self, deadline_ms),
             lambda: mark_dirty(self),
         )
         self.delayed: dict[bytes, MessageRef] = {}

@@ -108,7 +108,10 @@ def unary(
     method: str,
     cls: type[Req],
     behavior: Callable[[Req, Context], Awaitable[Resp]],
+    *,
+    raw_response: bool = False,
 ) -> grpc.RpcMethodHandler[Any, Any]:
+    """`raw_response`: the behaviour answers bytes it encoded itself."""
     async def handle(request: Req | BadRequest, context: Context) -> Resp:
         if isinstance(request, BadRequest):
             await refuse(request, method, context)
@@ -118,7 +121,9 @@ def unary(
             await abort(context, exc)
 
     return grpc.unary_unary_rpc_method_handler(
-        handle, request_deserializer=parser(cls), response_serializer=serializer
+        handle,
+        request_deserializer=parser(cls),
+        response_serializer=identity if raw_response else serializer,
     )
 
 

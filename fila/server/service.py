@@ -21,7 +21,7 @@ import grpc
 from fila.core.broker import Broker, ItemResult
 from fila.core.consumers import Consumer
 from fila.core.errors import BrokerError, InvalidArgument
-from fila.core.frames import KEEPALIVE_FRAME, timestamp
+from fila.core.frames import KEEPALIVE_FRAME, timestamp, varint
 from fila.server import access, rpc
 from fila.server.access import Kind
 from fila.server.rpc import BadRequest, Context
@@ -54,12 +54,13 @@ class FilaService:
 
     async def enqueue_batch(
         self, request: service_pb2.EnqueueBatchRequest, context: Context
-    ) -> service_pb2.EnqueueBatchResponse:
+    ) -> bytes:
+        """Answers an encoded `EnqueueBatchResponse` (see `encode_results`)."""
         self._check_batch_size(len(request.messages), "messages")
         items, merge = access.screen(Kind.PRODUCE, request.messages, _queue_of)
         results, committed = self._broker.enqueue(items)
         await committed
-        return service_pb2.EnqueueBatchResponse(results=_enqueue_results(merge(results)))
+        return encode_results(merge(results), _BATCH_RESULTS_TAG)
 
     async def stream_enqueue(
         self,
@@ -80,9 +81,7 @@ class FilaService:
                 sequence, results, committed = item
                 await committed
                 await context.write(
-                    service_pb2.StreamEnqueueResponse(
-                        sequence_number=sequence, results=_enqueue_results(results)
-                    )
+                    b"\x08" + varint(sequence) + encode_results(results, _STREAM_RESULTS_TAG)
                 )
 
         writer = asyncio.create_task(write_answers())
@@ -259,9 +258,11 @@ class FilaService:
         s = service_pb2
         handlers = {
             "Enqueue": rpc.unary("Enqueue", s.EnqueueRequest, self.enqueue),
-            "EnqueueBatch": rpc.unary("EnqueueBatch", s.EnqueueBatchRequest, self.enqueue_batch),
+            "EnqueueBatch": rpc.unary(
+                "EnqueueBatch", s.EnqueueBatchRequest, self.enqueue_batch, raw_response=True
+            ),
             "StreamEnqueue": rpc.bidi_stream(
-                "StreamEnqueue", s.StreamEnqueueRequest, self.stream_enqueue
+                "StreamEnqueue", s.StreamEnqueueRequest, self.stream_enqueue, raw_responses=True
             ),
             "Consume": rpc.server_stream("Consume", s.ConsumeRequest, self.consume),
             "StreamConsume": rpc.bidi_stream(
@@ -284,13 +285,28 @@ async def _single(outcome: tuple[list[BrokerError | None], asyncio.Future[None]]
     await committed
 
 
-def _enqueue_results(results: Sequence[ItemResult]) -> list[service_pb2.EnqueueResult]:
-    return [
-        service_pb2.EnqueueResult(error=batch_error(r))
-        if isinstance(r, BrokerError)
-        else service_pb2.EnqueueResult(message_id=r)
-        for r in results
-    ]
+# EnqueueBatchResponse.results = 1, StreamEnqueueResponse.results = 2 (length-delimited)
+_BATCH_RESULTS_TAG = b"\x0a"
+_STREAM_RESULTS_TAG = b"\x12"
+# An EnqueueResult{message_id} of a 36-character id: field 1, 38 bytes; inside, field 1.
+_ID_RESULT = b"\x26\x0a\x24"
+
+
+def encode_results(results: Sequence[ItemResult], tag: bytes) -> bytes:
+    """The repeated `EnqueueResult` field of a batch answer, encoded by hand.
+
+    Building one `EnqueueResult` object per message and serializing the response
+    cost 0.44 us per message, the largest single item of the edge's per-message
+    work under batched enqueue; concatenating bytes costs about 0.05 us. Errors
+    (rare) go through protobuf."""
+    parts: list[bytes] = []
+    for result in results:
+        if isinstance(result, BrokerError):
+            body = service_pb2.EnqueueResult(error=batch_error(result)).SerializeToString()
+            parts += (tag, varint(len(body)), body)
+        else:
+            parts += (tag, _ID_RESULT, result.encode())
+    return b"".join(parts)
 
 
 def _settle_results(results: Sequence[BrokerError | None]) -> list[service_pb2.BatchError]:
