@@ -28,7 +28,6 @@ from fila_sdk import (
 )
 
 DEADLINE_S = 15.0
-STOP_VISIBILITY_MS = 2000
 # Dead-letters a nack only when its error text is exactly the handler's exception
 # text; any other text retries, so a DLQ arrival proves the text reached the broker.
 DLQ_ON_EXACT_TEXT = """
@@ -176,13 +175,13 @@ def test_async_worker_respects_concurrency_and_refills_at_once(server: ServerPro
 
 
 def test_async_worker_extends_the_lease_of_a_long_handler(server: ServerProcess) -> None:
-    """A 2.5 s handler on a queue whose visibility timeout is 0.6 s: the worker learns
+    """A 4 s handler on a queue whose visibility timeout is 1.5 s: the worker learns
     the timeout and extends the lease, so no other consumer ever gets the message."""
 
     async def scenario() -> None:
         async with AsyncClient(server.addr) as c:
             name = unique("long")
-            await c.create_queue(name, visibility_timeout_ms=600)
+            await c.create_queue(name, visibility_timeout_ms=1500)
             msg_id = await c.enqueue(name, None, b"slow")
             finished = asyncio.Event()
             started = asyncio.Event()
@@ -191,7 +190,7 @@ def test_async_worker_extends_the_lease_of_a_long_handler(server: ServerProcess)
             async def slow(message: Message) -> None:
                 attempts.append(message.attempt_count)
                 started.set()
-                await asyncio.sleep(2.5)
+                await asyncio.sleep(4)
                 finished.set()
 
             stolen: list[Message] = []
@@ -210,7 +209,7 @@ def test_async_worker_extends_the_lease_of_a_long_handler(server: ServerProcess)
                 await asyncio.gather(rival_task, return_exceptions=True)
             assert stolen == [], "the lease expired and the message was redelivered"
             assert attempts == [0]
-            assert worker.stats.extended >= 3  # about every 0.2 s for 2.5 s
+            assert worker.stats.extended >= 4  # about every 0.5 s for 4 s
             assert worker.stats.acked == 1
             with pytest.raises(Exception, match="not leased"):
                 await c.extend_lease(name, msg_id)
@@ -220,17 +219,14 @@ def test_async_worker_extends_the_lease_of_a_long_handler(server: ServerProcess)
 
 def test_async_worker_stops_gracefully(server: ServerProcess) -> None:
     """stop(): running handlers finish and are acked, no new one starts, and the stream
-    closes so the broker takes back what was buffered; a handler past the grace
-    period is cancelled and its message released.
-
-    Messages the broker had buffered but not yet sent when the stream closed come back
-    only at their visibility timeout (a broker bug, see test_sdk_broker_issues.py), so
-    the queue uses a short one and the final count is awaited."""
+    closes so the broker takes back at once what was held (the queue's visibility
+    timeout is 30 s: nothing here waits for an expiry); a handler past the grace
+    period is cancelled and its message released."""
 
     async def scenario() -> None:
         async with AsyncClient(server.addr) as c:
             name = unique("stop")
-            await c.create_queue(name, visibility_timeout_ms=STOP_VISIBILITY_MS)
+            await c.create_queue(name)
             await c.enqueue_many(name, [b"%d" % i for i in range(10)])
             release = asyncio.Event()
             started: list[str] = []
@@ -253,7 +249,9 @@ def test_async_worker_stops_gracefully(server: ServerProcess) -> None:
             # the two acks made room the broker may have filled before the stream closed
             assert worker.stats.acked == 2
             assert worker.stats.released == worker.stats.delivered - 2 >= 4
-            await until(lambda: _depth_and_flight(c, name, (8, 0)), "two acked, the rest back")
+            await until(
+                lambda: _depth_and_flight(c, name, (8, 0)), "two acked, the rest back", within=2
+            )
 
             # Past the grace period: cancelled, its message released.
             stuck = asyncio.Event()
@@ -268,7 +266,9 @@ def test_async_worker_stops_gracefully(server: ServerProcess) -> None:
             worker.stop()
             await asyncio.wait_for(run, 0.3 + 5)
             assert (await c.get_stats(name)).active_consumers == 0
-            await until(lambda: _depth_and_flight(c, name, (8, 0)), "the stuck one released")
+            await until(
+                lambda: _depth_and_flight(c, name, (8, 0)), "the stuck one released", within=2
+            )
             assert (worker.stats.acked, worker.stats.released) == (0, 1)
 
     asyncio.run(scenario())
@@ -312,7 +312,7 @@ def test_thread_worker_acks_nacks_and_bounds_concurrency(server: ServerProcess) 
 def test_thread_worker_extends_leases_and_stops_gracefully(server: ServerProcess) -> None:
     with Client(server.addr) as c:
         name = unique("twlong")
-        c.create_queue(name, visibility_timeout_ms=600)  # also short enough for the bug below
+        c.create_queue(name, visibility_timeout_ms=1500)
         c.enqueue_many(name, [b"%d" % i for i in range(5)])
         release = threading.Event()
         started: list[Message] = []
@@ -324,7 +324,7 @@ def test_thread_worker_extends_leases_and_stops_gracefully(server: ServerProcess
         worker = Worker(c, name, handle, concurrency=2, prefetch=4, grace_period=10)
         worker.start()
         wait(lambda: len(started) == 2, "two handlers running")
-        time.sleep(1.5)  # 2.5 visibility timeouts: leases must be extended meanwhile
+        time.sleep(3.5)  # over 2 visibility timeouts: leases must be extended meanwhile
         stats = c.get_stats(name)
         assert (stats.depth, stats.in_flight) == (1, 4)
         assert {m.attempt_count for m in started} == {0}
@@ -336,8 +336,8 @@ def test_thread_worker_extends_leases_and_stops_gracefully(server: ServerProcess
         assert worker.stats.extended >= 4
         assert worker.stats.acked == 2
         assert worker.stats.released == worker.stats.delivered - 2 >= 2
-        # (unsent deliveries come back at their visibility timeout: test_sdk_broker_issues)
-        wait(lambda: _counts(c, name) == (3, 0), "two acked, the rest back")
+        # within less than the 1.5 s visibility timeout: released, not expired
+        wait(lambda: _counts(c, name) == (3, 0), "two acked, the rest back", timeout=1.0)
 
 
 def _counts(c: Client, name: str) -> tuple[int, int]:

@@ -1,19 +1,13 @@
-"""Broker bugs found while building the SDK, as tests that fail until they are fixed.
+"""What a stopping `Worker` relies on: a StreamConsume stream that ends gives every
+lease it held back to the queue at once (SPEC 1), sent or not.
 
-Marked `xfail(strict=True)`: the suite stays green while the bug is there and turns
-red when a fix lands, so the mark gets removed with the fix.
-
-SPEC 1 (`StreamConsume`): when a stream ends, "the stream's leases return to ready";
-the SDK relies on it to release what a stopping `Worker` held. Leases of messages
-the broker had buffered for the stream but not yet sent stay leased until their
-visibility timeout instead, when the stream ends because the client half-closed it
-(the `Worker`'s graceful stop) or because a settlement named an unknown id
-(NOT_FOUND). Cause, in `fila/server/service.py` `stream_consume.read_settlements`:
-both paths call `consumer.close(...)`, which clears the consumer's send buffer and
-*returns* the unsent leases, and the return value is dropped; `detach_consumer`
-then calls `consumer.close()` again, gets an empty list, and `return_unsent` never
-runs for them. They come back only when their lease expires (without an attempt
-counted), 30 s later by default. Sent leases are returned correctly.
+Found while building the SDK: leases of messages the broker had buffered for the
+stream but not yet sent stayed leased until their visibility timeout (30 s by
+default) when the stream ended because the client half-closed it (the Worker's
+graceful stop) or because a settlement named an unknown id (NOT_FOUND):
+`read_settlements` called `consumer.close()`, which emptied the send buffer and
+returned the unsent leases, and the return value was dropped. Main has since split
+`close()` from `release_unsent()`; these tests keep it fixed.
 """
 
 from __future__ import annotations
@@ -28,19 +22,12 @@ import pytest
 from fila.server.process import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
-UNSENT_LEASES_STUCK = pytest.mark.xfail(
-    strict=True,
-    reason="broker: StreamConsume ended by the client drops its unsent leases until they "
-    "expire (read_settlements discards consumer.close()'s return value)",
-)
-
 
 async def _stats(admin: admin_pb2_grpc.FilaAdminAsyncStub, queue: str) -> tuple[int, int]:
     stats = await admin.GetStats(admin_pb2.GetStatsRequest(queue=queue), timeout=10)
     return stats.depth, stats.in_flight
 
 
-@UNSENT_LEASES_STUCK
 def test_unsent_leases_return_when_a_settlement_names_an_unknown_id(
     server: ServerProcess,
 ) -> None:
@@ -66,12 +53,11 @@ def test_unsent_leases_return_when_a_settlement_names_an_unknown_id(
                     pass
             assert ended.value.code() == grpc.StatusCode.NOT_FOUND
             await asyncio.sleep(0.5)
-            assert await _stats(admin, "nf") == (10, 0)  # observed: (0, 10) for 30 s
+            assert await _stats(admin, "nf") == (10, 0)  # was (0, 10) for 30 s
 
     asyncio.run(scenario())
 
 
-@UNSENT_LEASES_STUCK
 def test_unsent_leases_return_when_the_client_half_closes(server: ServerProcess) -> None:
     """1 MiB messages and a client that reads nothing for a moment: HTTP/2 flow control
     holds the broker's writes, so most deliveries are still in its send buffer when
@@ -95,6 +81,6 @@ def test_unsent_leases_return_when_the_client_half_closes(server: ServerProcess)
                 received += frame.HasField("message")
             await asyncio.sleep(0.5)
             # every delivered message came back as a failed attempt, and so must the rest
-            assert await _stats(admin, "hc") == (12, 0)  # observed: (4, 8) with 4 received
+            assert await _stats(admin, "hc") == (12, 0)  # was (4, 8), 4 received
 
     asyncio.run(scenario())
