@@ -52,7 +52,8 @@ def run_threads(addr: str) -> None:
 
         def handle(message: Message) -> None:
             work(message)  # raises for job 7's first attempt: nacked, retried
-            print(f"done: {message.payload.decode()} (attempt {message.attempt_count})")
+            # one write per line, so that lines from the pool's threads do not interleave
+            print(f"done: {message.payload.decode()} (attempt {message.attempt_count})\n", end="")
             done.release()
 
         with Worker(client, QUEUE, handle, concurrency=4):
