@@ -184,23 +184,39 @@ async def until(predicate: Callable[[], object], what: str, within: float = DEAD
         await asyncio.sleep(0.02)
 
 
+def no_stream_settled_an_unknown_id(caplog: pytest.LogCaptureFixture) -> None:
+    """A worker never names, on a stream, an id that stream does not hold (the broker
+    would end the stream): handlers of a lost stream settle by unary calls."""
+    ended = [r.getMessage() for r in caplog.records if "is not leased" in r.getMessage()]
+    assert not [m for m in ended if "resubscribing" in m], ended
+
+
 @pytest.mark.parametrize("how", ["sigterm", "kill"])
-def test_async_worker_carries_on_across_a_restart(server_factory: ServerFactory, how: str) -> None:
+def test_async_worker_carries_on_across_a_restart(
+    server_factory: ServerFactory, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="fila_sdk")
     server = server_factory()
 
     async def scenario() -> None:
         async with AsyncClient(server.addr) as c:
             name = unique("aw")
             await c.create_queue(name, visibility_timeout_ms=VISIBILITY_MS)
-            enqueued = ids(await c.enqueue_many(name, [b"%d" % i for i in range(400)]))
+            # the first message's handler runs across the restart and settles after it
+            enqueued = ids(await c.enqueue_many(name, [b"slow"] + [b"%d" % i for i in range(400)]))
             handled: Counter[str] = Counter()
+            slow_started = asyncio.Event()
 
             async def handle(message: Message) -> None:
+                if message.payload == b"slow":  # spans the restart: settled after it
+                    slow_started.set()
+                    await asyncio.sleep(3)
                 await asyncio.sleep(0.005)
                 handled[message.id] += 1
 
             worker = Worker(c, name, handle, concurrency=8, prefetch=32)
             async with worker:
+                await asyncio.wait_for(slow_started.wait(), DEADLINE_S)
                 await until(lambda: len(handled) >= 80, "80 before the restart")
                 await asyncio.to_thread(restart, server, how)
                 await c.wait_ready(DEADLINE_S)
@@ -211,6 +227,7 @@ def test_async_worker_carries_on_across_a_restart(server_factory: ServerFactory,
             check_nothing_lost(enqueued, handled, bound=32)
 
     asyncio.run(scenario())
+    no_stream_settled_an_unknown_id(caplog)
 
 
 async def _settled(c: AsyncClient, name: str) -> bool:
@@ -219,21 +236,30 @@ async def _settled(c: AsyncClient, name: str) -> bool:
 
 
 @pytest.mark.parametrize("how", ["sigterm", "kill"])
-def test_thread_worker_carries_on_across_a_restart(server_factory: ServerFactory, how: str) -> None:
+def test_thread_worker_carries_on_across_a_restart(
+    server_factory: ServerFactory, how: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="fila_sdk")
     server = server_factory()
     with Client(server.addr) as c:
         name = unique("tw")
         c.create_queue(name, visibility_timeout_ms=VISIBILITY_MS)
-        enqueued = ids(c.enqueue_many(name, [b"%d" % i for i in range(200)]))
+        # the first message's handler runs across the restart and settles after it
+        enqueued = ids(c.enqueue_many(name, [b"slow"] + [b"%d" % i for i in range(200)]))
         handled: Counter[str] = Counter()
         lock = threading.Lock()
+        slow_started = threading.Event()
 
         def handle(message: Message) -> None:
+            if message.payload == b"slow":  # spans the restart: settled after it
+                slow_started.set()
+                time.sleep(3)
             time.sleep(0.005)
             with lock:
                 handled[message.id] += 1
 
         with Worker(c, name, handle, concurrency=4, prefetch=12) as worker:
+            assert slow_started.wait(DEADLINE_S)
             wait(lambda: len(handled) >= 40, "40 before the restart")
             restart(server, how)
             c.wait_ready(DEADLINE_S)
@@ -242,6 +268,7 @@ def test_thread_worker_carries_on_across_a_restart(server_factory: ServerFactory
             wait(lambda: c.get_stats(name).in_flight == 0, "the queue settled")
         assert worker.stats.resubscribed >= 1
         check_nothing_lost(enqueued, handled, bound=12)
+    no_stream_settled_an_unknown_id(caplog)
 
 
 # --- giving up, and coming back promptly --------------------------------------------

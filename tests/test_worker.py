@@ -16,8 +16,10 @@ import uuid
 from collections import Counter
 
 import pytest
+from support.sdk_fakes import ScriptedConsume, fake_broker
 
 from fila.server.process import ServerProcess
+from fila.v1 import messages_pb2
 from fila_sdk import (
     AsyncClient,
     AsyncWorker,
@@ -272,6 +274,46 @@ def test_async_worker_stops_gracefully(server: ServerProcess) -> None:
             assert (worker.stats.acked, worker.stats.released) == (0, 1)
 
     asyncio.run(scenario())
+
+
+def test_a_stopping_worker_settles_on_the_stream_then_half_closes_it() -> None:
+    """The protocol of a graceful stop, seen by a stand-in broker: the settlements of
+    the handlers that were running arrive on the stream, and then the stream ends by
+    a half-close (the broker then gives back the rest), not by a cancellation that
+    could drop settlements still in flight."""
+    delivered = [
+        messages_pb2.Message(id=f"m{i}", payload=b"x", metadata=messages_pb2.MessageMetadata())
+        for i in range(3)
+    ]
+    script = ScriptedConsume(delivered)
+
+    with fake_broker(lambda b: {"StreamConsume": script.handler(b)}) as fake:
+
+        async def scenario() -> None:
+            async with AsyncClient(fake.addr) as c:
+                release = asyncio.Event()
+                started: list[str] = []
+
+                async def handle(message: Message) -> None:
+                    started.append(message.id)
+                    await release.wait()
+                    if message.id == "m1":
+                        raise RuntimeError("m1 failed")
+
+                worker = Worker(c, "q", handle, concurrency=2, prefetch=3, visibility_timeout=60)
+                run = asyncio.create_task(worker.run())
+                await until(lambda: len(started) == 2, "two handlers running")
+                worker.stop()
+                release.set()
+                await asyncio.wait_for(run, DEADLINE_S)
+
+        asyncio.run(scenario())
+        assert script.half_closed.wait(DEADLINE_S) and not script.cancelled.is_set()
+    opening, *settlements = script.requests
+    assert (opening.queue, opening.prefetch) == ("q", 3)
+    acks = [i for r in settlements for i in r.ack_ids]
+    nacks = [(n.message_id, n.error) for r in settlements for n in r.nacks]
+    assert (acks, nacks) == (["m0"], [("m1", "m1 failed")])  # m2 was never started
 
 
 # --- thread worker ------------------------------------------------------------------

@@ -83,6 +83,44 @@ def silent_stream(method: str, request_cls: Any, broker: FakeBroker) -> Any:
     )
 
 
+@dataclass
+class ScriptedConsume:
+    """A StreamConsume stand-in: delivers `messages` in one frame after the opening
+    request, records every later request, and whether the client ended the stream
+    by half-closing it (the clean way) or by cancelling it."""
+
+    messages: list[Any]
+    requests: list[Any] = field(default_factory=list)
+    half_closed: threading.Event = field(default_factory=threading.Event)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def handler(self, broker: FakeBroker) -> Any:
+        async def handle(
+            requests: AsyncIterator[Any], context: grpc.aio.ServicerContext[Any, Any]
+        ) -> AsyncIterator[Any]:
+            try:
+                iterator = aiter(requests)
+                self.requests.append(await anext(iterator))
+                yield service_pb2.ConsumeResponse(messages=self.messages)
+                async for request in iterator:
+                    broker.record("StreamConsume", request, context)
+                    self.requests.append(request)
+                await asyncio.sleep(0.1)  # a cancellation that ended the reading lands here
+                if context.cancelled():
+                    self.cancelled.set()
+                else:
+                    self.half_closed.set()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+
+        return grpc.stream_stream_rpc_method_handler(
+            handle,
+            request_deserializer=service_pb2.StreamConsumeRequest.FromString,
+            response_serializer=lambda m: m.SerializeToString(),
+        )
+
+
 async def numbered_ids(request: service_pb2.EnqueueRequest, broker: FakeBroker) -> Any:
     return service_pb2.EnqueueResponse(message_id=f"u{len(broker.of('Enqueue'))}")
 
@@ -135,6 +173,7 @@ def fake_broker(
 
 __all__ = [
     "FakeBroker",
+    "ScriptedConsume",
     "batch_ids",
     "fake_broker",
     "numbered_ids",
