@@ -140,9 +140,9 @@ class Coalescer(Generic[Item, Result]):
     """Gathers items submitted in one turn of the loop into one call of `send`.
 
     `send(items)` returns one entry per item: the item's result, or the
-    `FilaError` its caller should raise. If `send` raises a `FilaError`, every
-    item of that batch fails with it. The coalescer owns the tasks running
-    `send`; `aclose` waits for them.
+    `FilaError` its caller should raise. If `send` raises, every item of that
+    batch fails with that exception, so no caller waits forever. The coalescer
+    owns the tasks running `send`; `aclose` waits for them.
     """
 
     def __init__(
@@ -186,7 +186,7 @@ class Coalescer(Generic[Item, Result]):
     async def _run(self, items: list[Item], waiters: list[asyncio.Future[Result]]) -> None:
         try:
             results = await self._send(items)
-        except FilaError as exc:
+        except Exception as exc:  # a FilaError, or a bug: either way each caller gets it
             for waiter in waiters:
                 if not waiter.done():
                     waiter.set_exception(exc)

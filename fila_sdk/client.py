@@ -219,6 +219,8 @@ class Client:
         """Store one message and return its id once it is durable (see
         `AsyncClient.enqueue`; calls from many threads share requests)."""
         loop, twin = self.streams()
+        if loop.in_loop_thread:  # waiting here would block the loop that must answer
+            raise RuntimeError("Client.enqueue cannot be called from the client's own loop")
         return loop.run(twin.enqueue(queue, headers, payload, delay=delay))
 
     def enqueue_many(

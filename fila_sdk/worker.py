@@ -240,20 +240,24 @@ class _Engine:
 
     async def run(self) -> None:
         """Serves until `stop()`, then stops gracefully; raises what ended it otherwise
-        (`BrokerUnreachableError`, `QueueNotFoundError`, ...)."""
+        (`BrokerUnreachableError`, `QueueNotFoundError`, or a failure of its own tasks).
+
+        Owns every task it starts: any of them ending on an error ends the worker with
+        that error; all are cancelled and awaited before it returns."""
         spawn = self._loop.create_task
         slots = [spawn(self._slot()) for _ in range(self._options.concurrency)]
         helpers = [spawn(self._heartbeat()), spawn(self._settle_orphans())]
         reader = spawn(self._read_streams())
         stopping = spawn(self._stopping.wait())
+        working = [*slots, *helpers, reader]
         try:
-            await asyncio.wait((reader, stopping), return_when=asyncio.FIRST_COMPLETED)
-            if reader.done():
-                reader.result()  # a fatal error, raised here
-                return
-            await self._drain(slots, reader)
+            await asyncio.wait((*working, stopping), return_when=asyncio.FIRST_COMPLETED)
+            _raise_failure(working)
+            if not reader.done():  # stop() was called
+                await self._drain(slots, reader)
+                _raise_failure(working)
         finally:
-            owned = [*slots, *helpers, reader, stopping]
+            owned = [*working, stopping]
             for task in owned:
                 task.cancel()
             await asyncio.gather(*owned, return_exceptions=True)
@@ -611,6 +615,13 @@ class _Engine:
                 self.stats.released += 1
                 return
         self._orphans[message_id] = time.monotonic()
+
+
+def _raise_failure(tasks: list[asyncio.Task[None]]) -> None:
+    """Raises the error of the first task that ended on one (cancelled ones aside)."""
+    for task in tasks:
+        if task.done() and not task.cancelled() and task.exception() is not None:
+            task.result()
 
 
 def _epoch_ms(message: Message) -> int:

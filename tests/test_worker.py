@@ -25,6 +25,7 @@ from fila_sdk import (
     AsyncWorker,
     Client,
     Message,
+    QueueNotFoundError,
     ThreadWorker,
     Worker,
 )
@@ -66,7 +67,7 @@ def wait(predicate: object, what: str, timeout: float = DEADLINE_S) -> None:
         time.sleep(0.02)
 
 
-def test_worker_type_follows_the_client(server: ServerProcess) -> None:
+def test_worker_type_follows_the_client_and_errors_are_raised(server: ServerProcess) -> None:
     async def handler(message: Message) -> None:
         return None
 
@@ -74,10 +75,15 @@ def test_worker_type_follows_the_client(server: ServerProcess) -> None:
         assert isinstance(Worker(c, "q", lambda m: None), ThreadWorker)
         with pytest.raises(ValueError, match="prefetch"):
             Worker(c, "q", lambda m: None, concurrency=4, prefetch=2)
+        with pytest.raises(QueueNotFoundError):
+            Worker(c, unique("missing"), lambda m: None).run()
 
     async def scenario() -> None:
         async with AsyncClient(server.addr) as ac:
-            assert isinstance(Worker(ac, "q", handler), AsyncWorker)
+            worker = Worker(ac, unique("missing"), handler)
+            assert isinstance(worker, AsyncWorker)
+            with pytest.raises(QueueNotFoundError):
+                await asyncio.wait_for(worker.run(), DEADLINE_S)
 
     asyncio.run(scenario())
 
