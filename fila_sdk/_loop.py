@@ -50,7 +50,17 @@ class LoopThread:
         return threading.current_thread() is self._thread
 
     def stop(self) -> None:
-        """Stops the loop once what is scheduled has run, and waits for the thread."""
+        """Cancels what still runs on the loop (a worker the client was closed under)
+        and waits for it to end, then stops the loop and waits for the thread."""
         if self._thread.is_alive():
+            self.submit(_cancel_others()).result()
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join()
+
+
+async def _cancel_others() -> None:
+    current = asyncio.current_task()
+    tasks = [task for task in asyncio.all_tasks() if task is not current]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -400,6 +400,12 @@ class _Engine:
             except grpc.RpcError as err:
                 self._session = None  # (see below) before `_stream_error` awaits
                 error = await self._stream_error(err)
+            except asyncio.CancelledError:
+                # grpc.aio ends a call whose channel was closed with CancelledError:
+                # that one means the client was closed, not this task cancelled.
+                task = asyncio.current_task()
+                if not client.closed or task is None or task.cancelling():
+                    raise
             finally:
                 # Before anything awaits: a handler finishing from now on must not
                 # settle on the dead stream, whose settlements nobody applies.
@@ -537,6 +543,8 @@ class _Engine:
                 continue
             period = self._timeout_s / 3
             await asyncio.sleep(period / 2)
+            if not self._connected.is_set():
+                continue  # the broker is away: extensions would only fail (and log)
             now = time.monotonic()
             due = [
                 message_id
@@ -828,6 +836,8 @@ class ThreadWorker(Worker):
             done.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"worker still running after {timeout}s") from None
+        except concurrent.futures.CancelledError:
+            raise ClientClosedError("the client was closed under a running worker") from None
 
     def run(self, *, stop_on_signals: bool = True) -> None:
         """Serve in this thread until `stop()`. SIGINT (Ctrl-C) and SIGTERM stop the

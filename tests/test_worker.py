@@ -24,6 +24,7 @@ from fila_sdk import (
     AsyncClient,
     AsyncWorker,
     Client,
+    ClientClosedError,
     Message,
     QueueNotFoundError,
     ThreadWorker,
@@ -391,6 +392,18 @@ def test_thread_worker_extends_leases_and_stops_gracefully(server: ServerProcess
 def _counts(c: Client, name: str) -> tuple[int, int]:
     stats = c.get_stats(name)
     return stats.depth, stats.in_flight
+
+
+def test_closing_the_client_under_a_thread_worker_ends_it(server: ServerProcess) -> None:
+    c = Client(server.addr)
+    name = unique("under")
+    c.create_queue(name)
+    worker = Worker(c, name, lambda m: None)
+    worker.start()
+    wait(lambda: c.get_stats(name).active_consumers == 1, "the worker subscribed")
+    c.close()
+    with pytest.raises(ClientClosedError):
+        worker.join(DEADLINE_S)
 
 
 def test_thread_worker_run_stops_on_sigterm(server: ServerProcess) -> None:
