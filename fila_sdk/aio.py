@@ -45,6 +45,7 @@ from ._channel import (
 from .batching import (
     PIPELINE_DEPTH,
     Coalescer,
+    EnqueueLike,
     NackItem,
     ack_batch_request,
     chunks,
@@ -70,7 +71,6 @@ from .types import (
     ApiKeyInfo,
     ConfigListing,
     CreatedApiKey,
-    EnqueueItem,
     Message,
     PeekPage,
     QueueInfo,
@@ -257,12 +257,13 @@ class AsyncClient:
         delay_ms = 0 if delay is None else milliseconds(delay, "delay")
         return await self._bounded(producer.enqueue(queue, headers, payload, delay_ms))
 
-    async def enqueue_many(
-        self, queue: str, items: Iterable[EnqueueItem | bytes]
-    ) -> list[str | FilaError]:
+    async def enqueue_many(self, queue: str, items: Iterable[EnqueueLike]) -> list[str | FilaError]:
         """Store many messages in few `EnqueueBatch` calls; one result per item, in order:
         its message id, or the `FilaError` that item alone failed with (a call that
-        failed as a whole fails each of its items). Never raises for an item."""
+        failed as a whole fails each of its items). Never raises for an item.
+
+        An item is an `EnqueueItem`, bare payload bytes, or a (headers, payload) or
+        (headers, payload, delay) tuple."""
         self._check_open()
         batch = entries(items)
         spans = list(chunks([entry_bytes(e) for e in batch]))

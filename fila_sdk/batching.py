@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
+from datetime import timedelta
 from typing import Final, Generic, TypeVar
 
 from fila.v1 import service_pb2
@@ -48,22 +49,38 @@ MESSAGE_OVERHEAD_BYTES: Final = 64
 
 # What one item of `enqueue_many` becomes: headers, payload, delay in ms.
 Entry = tuple[Mapping[str, str] | None, bytes, int]
+# One item of `enqueue_many`.
+EnqueueLike = (
+    EnqueueItem
+    | bytes
+    | tuple[Mapping[str, str] | None, bytes]
+    | tuple[Mapping[str, str] | None, bytes, timedelta | float | None]
+)
 # One item of `nack_many`: a message id, or (message id, error text).
 NackItem = str | tuple[str, str]
 
 
-def entries(items: Iterable[EnqueueItem | bytes]) -> list[Entry]:
-    """`enqueue_many`'s items as (headers, payload, delay_ms); bare bytes are a payload."""
+def entries(items: Iterable[EnqueueLike]) -> list[Entry]:
+    """`enqueue_many`'s items as (headers, payload, delay_ms). An item is an
+    `EnqueueItem`, bare payload bytes, or a (headers, payload[, delay]) tuple: the
+    arguments `enqueue` takes."""
     out: list[Entry] = []
     append = out.append
     for item in items:
         if isinstance(item, bytes):
             append((None, item, 0))
+            continue
+        if isinstance(item, EnqueueItem):
+            headers, payload, delay = item.headers, item.payload, item.delay
+        elif isinstance(item, tuple) and len(item) in (2, 3):
+            headers, payload = item[0], item[1]
+            delay = item[2] if len(item) == 3 else None
         else:
-            delay = item.delay
-            append(
-                (item.headers, item.payload, 0 if delay is None else milliseconds(delay, "delay"))
+            raise TypeError(
+                "enqueue_many takes EnqueueItem, bytes or (headers, payload[, delay]) items, "
+                f"not {type(item).__name__}"
             )
+        append((headers, payload, 0 if delay is None else milliseconds(delay, "delay")))
     return out
 
 

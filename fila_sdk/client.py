@@ -41,6 +41,7 @@ from ._loop import LoopThread
 from .aio import AsyncClient
 from .batching import (
     PIPELINE_DEPTH,
+    EnqueueLike,
     NackItem,
     ack_batch_request,
     chunks,
@@ -59,7 +60,6 @@ from .types import (
     ApiKeyInfo,
     ConfigListing,
     CreatedApiKey,
-    EnqueueItem,
     Message,
     PeekPage,
     QueueInfo,
@@ -223,9 +223,7 @@ class Client:
             raise RuntimeError("Client.enqueue cannot be called from the client's own loop")
         return loop.run(twin.enqueue(queue, headers, payload, delay=delay))
 
-    def enqueue_many(
-        self, queue: str, items: Iterable[EnqueueItem | bytes]
-    ) -> list[str | FilaError]:
+    def enqueue_many(self, queue: str, items: Iterable[EnqueueLike]) -> list[str | FilaError]:
         """Store many messages in few `EnqueueBatch` calls; see `AsyncClient.enqueue_many`."""
         self._check_open()
         batch = entries(items)

@@ -32,7 +32,7 @@ from fila_sdk import (
     MessageNotFoundError,
     QueueNotFoundError,
 )
-from fila_sdk.batching import chunks
+from fila_sdk.batching import EnqueueLike, chunks
 
 DEADLINE_S = 10.0
 MAX_PAYLOAD = 2048
@@ -93,26 +93,32 @@ async def atake(client: AsyncClient, queue: str, count: int, **consume: Any) -> 
 def test_enqueue_many_gives_each_item_its_id_or_its_own_error(client: Client) -> None:
     name = unique("many")
     client.create_queue(name)
-    items: list[EnqueueItem | bytes] = [
+    items: list[EnqueueLike] = [
         b"plain",
         EnqueueItem({"k": "v"}, b"with headers"),
         EnqueueItem(None, b"x" * (MAX_PAYLOAD + 1)),  # over the broker's payload limit
-        EnqueueItem({"n": "3"}, b"last"),
+        EnqueueItem({"n": "3"}, b"fourth"),
+        ({"t": "pair"}, b"a (headers, payload) pair"),
+        (None, b"a triple", 0.0),
     ]
     results = client.enqueue_many(name, items)
-    assert len(results) == 4
+    assert len(results) == 6
     assert isinstance(results[2], InvalidArgumentError)
-    ids = [results[i] for i in (0, 1, 3)]
+    ids = [results[i] for i in (0, 1, 3, 4, 5)]
     assert all(isinstance(r, str) and r for r in ids)
-    assert client.get_stats(name).depth == 3  # the bad item stored nothing
+    assert client.get_stats(name).depth == 5  # the bad item stored nothing
 
-    got = take(client, name, 3)
+    got = take(client, name, 5)
     assert [m.id for m in got] == ids  # request order is storage order
     assert [(m.headers, m.payload) for m in got] == [
         ({}, b"plain"),
         ({"k": "v"}, b"with headers"),
-        ({"n": "3"}, b"last"),
+        ({"n": "3"}, b"fourth"),
+        ({"t": "pair"}, b"a (headers, payload) pair"),
+        ({}, b"a triple"),
     ]
+    with pytest.raises(TypeError, match="EnqueueItem"):
+        client.enqueue_many(name, [42])  # type: ignore[list-item]
 
 
 def test_enqueue_many_to_a_missing_queue_fails_every_item_without_raising(
