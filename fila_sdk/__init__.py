@@ -2,14 +2,17 @@
 
 `Client` blocks, `AsyncClient` runs on asyncio; both speak the `fila.v1` gRPC
 API, return the plain records in `fila_sdk.types` and raise the classes in
-`fila_sdk.errors`.
+`fila_sdk.errors`. `Worker` runs a handler per message of a queue and settles it.
 """
 
 from .aio import AsyncClient
 from .client import Client
 from .errors import (
     ApiKeyNotFoundError,
+    BrokerUnreachableError,
+    ClientClosedError,
     ConfigKeyNotFoundError,
+    DeadlineExceededError,
     FilaError,
     InvalidArgumentError,
     MessageNotFoundError,
@@ -28,6 +31,7 @@ from .types import (
     ConfigEntry,
     ConfigListing,
     CreatedApiKey,
+    EnqueueItem,
     FairnessKeyStats,
     Message,
     PeekPage,
@@ -35,6 +39,7 @@ from .types import (
     QueueStats,
     ThrottleKeyStats,
 )
+from .worker import AsyncWorker, ThreadWorker, Worker, WorkerStats
 
 __all__ = [
     "Acl",
@@ -42,11 +47,16 @@ __all__ = [
     "ApiKeyInfo",
     "ApiKeyNotFoundError",
     "AsyncClient",
+    "AsyncWorker",
+    "BrokerUnreachableError",
     "Client",
+    "ClientClosedError",
     "ConfigEntry",
     "ConfigKeyNotFoundError",
     "ConfigListing",
     "CreatedApiKey",
+    "DeadlineExceededError",
+    "EnqueueItem",
     "FairnessKeyStats",
     "FilaError",
     "InvalidArgumentError",
@@ -60,7 +70,10 @@ __all__ = [
     "QueueStats",
     "RPCError",
     "ResourceExhaustedError",
+    "ThreadWorker",
     "ThrottleKeyStats",
     "UnauthenticatedError",
     "UnavailableError",
+    "Worker",
+    "WorkerStats",
 ]

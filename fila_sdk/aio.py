@@ -1,10 +1,27 @@
-"""asyncio client over `grpc.aio`; same methods as `Client`, awaited."""
+"""asyncio client over `grpc.aio`; same methods as `Client`, awaited.
+
+The hot path rides the batch paths of SPEC 1 wherever the caller allows it:
+`enqueue` over an open `StreamEnqueue` stream with concurrent calls coalesced
+(`fila_sdk.streams`), `ack` and `nack` coalesced into `AckBatch` / `NackBatch`
+(`fila_sdk.batching`), `enqueue_many` / `ack_many` / `nack_many` as chunked batch
+calls, `consume(prefetch=, max_batch=)` with several messages per frame. Against a
+broker without those RPCs (`UNIMPLEMENTED`) each falls back to the unary calls for
+good. `consume` survives broker restarts (`fila_sdk.retry`).
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Iterable, Mapping
-from datetime import datetime
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Iterable,
+    Mapping,
+    Sequence,
+)
+from datetime import UTC, datetime, timedelta
 from types import TracebackType
 from typing import Self, TypeVar
 
@@ -15,16 +32,39 @@ from google.protobuf.message import Message as ProtoMessage
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 from ._channel import (
-    CHANNEL_OPTIONS,
     MAX_PEEK_LIMIT,
+    ChannelOptions,
     Settings,
     create_api_key_request,
     map_rpc_error,
+    milliseconds,
     peek_request,
     queue_config,
     set_acl_request,
 )
-from .errors import QueueAlreadyExistsError, UnavailableError
+from .batching import (
+    PIPELINE_DEPTH,
+    Coalescer,
+    EnqueueLike,
+    NackItem,
+    ack_batch_request,
+    chunks,
+    enqueue_batch_request,
+    enqueue_results,
+    entries,
+    entry_bytes,
+    nack_batch_request,
+    settle_results,
+)
+from .errors import (
+    ClientClosedError,
+    DeadlineExceededError,
+    FilaError,
+    QueueAlreadyExistsError,
+    UnavailableError,
+)
+from .retry import Reconnector, async_probe, retryable
+from .streams import Producer
 from .types import (
     Acl,
     AclPermission,
@@ -39,9 +79,20 @@ from .types import (
 
 _Req = TypeVar("_Req", bound=ProtoMessage)
 _Resp = TypeVar("_Resp", bound=ProtoMessage)
+_T = TypeVar("_T")
 
 
 class AsyncClient:
+    """A connection (or `connections` of them) to one broker, for use on one event loop.
+
+    `timeout` bounds every call (`DeadlineExceededError`), except `consume`, whose
+    stream lives as long as the caller reads it. `reconnect_timeout` is how long a
+    consumer keeps trying to get back to a broker it lost (None: forever) before it
+    raises `BrokerUnreachableError`. `connections` > 1 opens that many TCP
+    connections and spreads enqueue streams and batch calls over them round-robin;
+    `channel_options` are extra gRPC channel arguments, applied last.
+    """
+
     def __init__(
         self,
         addr: str = "localhost:5555",
@@ -52,25 +103,51 @@ class AsyncClient:
         client_key: bytes | None = None,
         api_key: str | None = None,
         timeout: float | None = None,
+        channel_options: ChannelOptions | None = None,
+        connections: int = 1,
+        reconnect_timeout: float | None = 30.0,
     ) -> None:
-        self._settings = Settings.build(
-            addr,
-            tls=tls,
-            ca_cert=ca_cert,
-            client_cert=client_cert,
-            client_key=client_key,
-            api_key=api_key,
-            timeout=timeout,
-        )
-        if self._settings.credentials is None:
-            self._channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
-        else:
-            self._channel = grpc.aio.secure_channel(
-                addr, self._settings.credentials, options=CHANNEL_OPTIONS
+        self._open(
+            Settings.build(
+                addr,
+                tls=tls,
+                ca_cert=ca_cert,
+                client_cert=client_cert,
+                client_key=client_key,
+                api_key=api_key,
+                timeout=timeout,
+                channel_options=channel_options,
+                connections=connections,
+                reconnect_timeout=reconnect_timeout,
             )
-        self._service = service_pb2_grpc.FilaServiceStub(self._channel)
+        )
+
+    @classmethod
+    def from_settings(cls, settings: Settings) -> AsyncClient:
+        """A client with the settings of another (the blocking `Client` runs one on its
+        own loop for its streams). Call it on the loop that will use the client."""
+        client = cls.__new__(cls)
+        client._open(settings)
+        return client
+
+    def _open(self, settings: Settings) -> None:
+        self._settings = settings
+        self._channels = [settings.aio_channel() for _ in range(settings.connections)]
+        self._channel = self._channels[0]
+        self._services: list[service_pb2_grpc.FilaServiceAsyncStub] = [
+            service_pb2_grpc.FilaServiceStub(c) for c in self._channels
+        ]
+        self._service = self._services[0]
         self._admin = admin_pb2_grpc.FilaAdminStub(self._channel)
+        self._turn = 0
         self._closed = False
+        self._closing: asyncio.Event | None = None
+        # Created on first use, on the loop that uses them.
+        self._producer: Producer | None = None
+        self._acks: Coalescer[tuple[str, str], None] | None = None
+        self._nacks: Coalescer[tuple[str, str, str], None] | None = None
+        self._batch_settlement = True  # False once the broker answered UNIMPLEMENTED
+        self._probe = async_probe(self._channel)
 
     async def __aenter__(self) -> Self:
         return self
@@ -83,13 +160,33 @@ class AsyncClient:
     ) -> None:
         await self.close()
 
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     async def close(self) -> None:
-        """Close the channel; open `consume` iterators end quietly."""
+        """Close the connections; open `consume` iterators end quietly, and calls still
+        waiting for an answer raise `ClientClosedError`."""
+        if self._closed:
+            return
         self._closed = True
-        await self._channel.close(None)
+        if self._closing is not None:
+            self._closing.set()
+        if self._producer is not None:
+            await self._producer.aclose()
+        for coalescer in (self._acks, self._nacks):
+            if coalescer is not None:
+                await coalescer.aclose()
+        for channel in self._channels:
+            await channel.close(None)
 
     async def wait_ready(self, timeout: float) -> None:  # noqa: ASYNC109 (mirrors Client)
         """Wait until the broker accepts a connection; see `Client.wait_ready`."""
+        self._check_open()
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except TimeoutError:
@@ -98,56 +195,300 @@ class AsyncClient:
                 grpc.StatusCode.UNAVAILABLE,
             ) from None
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ClientClosedError()
+
+    def _next_service(self) -> service_pb2_grpc.FilaServiceAsyncStub:
+        """The hot-path stub of the next connection, round-robin."""
+        services = self._services
+        if len(services) == 1:
+            return services[0]
+        self._turn = (self._turn + 1) % len(services)
+        return services[self._turn]
+
     async def _unary(
         self, rpc: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req
     ) -> _Resp:
+        self._check_open()
         try:
             return await rpc(
                 request, timeout=self._settings.timeout, metadata=self._settings.metadata
             )
         except grpc.RpcError as err:
+            if self._closed:
+                raise ClientClosedError() from err
             raise map_rpc_error(err, type(request).__name__.removesuffix("Request")) from err
+
+    async def _bounded(self, waiter: Awaitable[_T]) -> _T:
+        """Waits for a coalesced call's answer within the client's `timeout`."""
+        timeout = self._settings.timeout
+        if timeout is None:
+            return await waiter
+        try:
+            async with asyncio.timeout(timeout):
+                return await waiter
+        except TimeoutError:
+            raise DeadlineExceededError(
+                f"no answer within the client timeout of {timeout:g}s",
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+            ) from None
 
     # Hot path.
 
-    async def enqueue(self, queue: str, headers: Mapping[str, str] | None, payload: bytes) -> str:
-        request = service_pb2.EnqueueRequest(queue=queue, headers=headers, payload=payload)
-        return (await self._unary(self._service.Enqueue, request)).message_id
+    async def enqueue(
+        self,
+        queue: str,
+        headers: Mapping[str, str] | None,
+        payload: bytes,
+        *,
+        delay: timedelta | float | None = None,
+    ) -> str:
+        """Store one message and return its id once it is durable.
 
-    async def consume(self, queue: str) -> AsyncGenerator[Message, None]:
-        """Yield messages as the broker leases them; see `Client.consume`.
+        Concurrent calls (from many tasks) travel together in one request on an open
+        `StreamEnqueue` stream; each still gets its own id or exception. `delay`
+        (a `timedelta` or seconds) makes the message ready only that long after.
+        """
+        producer = self._producer
+        if producer is None:
+            self._check_open()
+            producer = self._producer = Producer(self._services, self._settings.metadata)
+        delay_ms = 0 if delay is None else milliseconds(delay, "delay")
+        return await self._bounded(producer.enqueue(queue, headers, payload, delay_ms))
+
+    async def enqueue_many(self, queue: str, items: Iterable[EnqueueLike]) -> list[str | FilaError]:
+        """Store many messages in few `EnqueueBatch` calls; one result per item, in order:
+        its message id, or the `FilaError` that item alone failed with (a call that
+        failed as a whole fails each of its items). Never raises for an item.
+
+        An item is an `EnqueueItem`, bare payload bytes, or a (headers, payload) or
+        (headers, payload, delay) tuple."""
+        self._check_open()
+        batch = entries(items)
+        spans = list(chunks([entry_bytes(e) for e in batch]))
+        results: list[str | FilaError] = []
+        gate = asyncio.Semaphore(PIPELINE_DEPTH)
+
+        async def send(span: range) -> list[str | FilaError]:
+            async with gate:
+                request = enqueue_batch_request(queue, batch, span)
+                try:
+                    response = await self._unary(self._next_service().EnqueueBatch, request)
+                except FilaError as exc:
+                    return [exc] * len(span)
+                return enqueue_results(response.results)
+
+        for part in await asyncio.gather(*(send(span) for span in spans)):
+            results += part
+        return results
+
+    def consume(
+        self, queue: str, *, prefetch: int | None = None, max_batch: int | None = None
+    ) -> AsyncGenerator[Message, None]:
+        """Yield messages as the broker leases them, one at a time; see `Client.consume`.
 
         Wrap in `contextlib.aclosing` to cancel the stream at a deterministic point
         rather than when the abandoned generator is collected.
         """
-        call = self._service.Consume(
-            service_pb2.ConsumeRequest(queue=queue), metadata=self._settings.metadata
+        self._check_open()
+        request = service_pb2.ConsumeRequest(
+            queue=queue,
+            prefetch=_count(prefetch, "prefetch"),
+            max_batch=_count(max_batch, "max_batch"),
         )
+        return self._consume(request)
+
+    async def _consume(self, request: service_pb2.ConsumeRequest) -> AsyncGenerator[Message, None]:
+        reconnector = Reconnector(
+            f"consumer of {request.queue!r}",
+            self._settings.target,
+            self._settings.reconnect_timeout,
+        )
+        from_proto = Message.from_proto
+        while True:
+            call = self._service.Consume(request, metadata=self._settings.metadata)
+            error: FilaError
+            try:
+                async for response in call:
+                    if reconnector.backing_off:
+                        reconnector.delivered()
+                    batch = response.messages
+                    if batch:
+                        for message in batch:
+                            yield from_proto(message)
+                    elif response.HasField("message"):  # else a keepalive frame
+                        yield from_proto(response.message)
+                return  # the server ended the stream (Fila never does; a foreign server may)
+            except grpc.RpcError as err:
+                if self._closed:
+                    return
+                error = map_rpc_error(err, "Consume")
+                if not retryable(error):
+                    raise error from err
+            except asyncio.CancelledError:
+                # grpc.aio reports a call cancelled by close() as CancelledError; swallow
+                # only that one, never a cancellation of the consuming task itself.
+                task = asyncio.current_task()
+                if self._closed and task is not None and not task.cancelling():
+                    return
+                raise
+            finally:
+                call.cancel()
+            if not await self._reconnect(reconnector, error):
+                return
+
+    async def _reconnect(self, reconnector: Reconnector, error: FilaError) -> bool:
+        """Waits until the broker can be reached again; False if the client closed."""
+        if self._closed:
+            return False
+        if self._closing is None:
+            self._closing = asyncio.Event()
+        closing = asyncio.ensure_future(self._closing.wait())
+        waiting = asyncio.ensure_future(reconnector.wait_async(error, self._probe))
         try:
-            async for response in call:
-                if response.HasField("message"):  # skip keepalive frames
-                    yield Message.from_proto(response.message)
-        except grpc.RpcError as err:
-            if self._closed and err.code() == grpc.StatusCode.CANCELLED:
-                return
-            raise map_rpc_error(err, "Consume") from err
-        except asyncio.CancelledError:
-            # grpc.aio reports a call cancelled by close() as CancelledError; swallow
-            # only that one, never a cancellation of the consuming task itself.
-            task = asyncio.current_task()
-            if self._closed and task is not None and not task.cancelling():
-                return
-            raise
+            await asyncio.wait((closing, waiting), return_when=asyncio.FIRST_COMPLETED)
         finally:
-            call.cancel()
+            for task in (closing, waiting):
+                task.cancel()
+            await asyncio.gather(closing, waiting, return_exceptions=True)
+        if self._closed:
+            return False
+        waiting.result()  # raises BrokerUnreachableError when it gave up
+        return True
 
     async def ack(self, queue: str, message_id: str) -> None:
-        request = service_pb2.AckRequest(queue=queue, message_id=message_id)
-        await self._unary(self._service.Ack, request)
+        """Ack one message. Acks made in the same turn of the event loop (by many
+        tasks) travel in one `AckBatch` call; none waits for a timer."""
+        acks = self._acks
+        if acks is None:
+            self._check_open()
+            acks = self._acks = Coalescer(self._send_acks)
+        await self._bounded(acks.submit((queue, message_id)))
 
     async def nack(self, queue: str, message_id: str, error: str = "") -> None:
-        request = service_pb2.NackRequest(queue=queue, message_id=message_id, error=error)
-        await self._unary(self._service.Nack, request)
+        """Nack one message (coalesced like `ack`, into `NackBatch`)."""
+        nacks = self._nacks
+        if nacks is None:
+            self._check_open()
+            nacks = self._nacks = Coalescer(self._send_nacks)
+        await self._bounded(nacks.submit((queue, message_id, error)))
+
+    async def ack_many(self, queue: str, message_ids: Iterable[str]) -> list[FilaError | None]:
+        """Ack many messages in few `AckBatch` calls; per item None (acked) or its error."""
+        ids = list(message_ids)
+        return await self._settle_many(
+            "Ack", len(ids), lambda span: ack_batch_request(queue, ids, span)
+        )
+
+    async def nack_many(
+        self, queue: str, items: Iterable[NackItem], error: str = ""
+    ) -> list[FilaError | None]:
+        """Nack many messages in few `NackBatch` calls. An item is a message id (nacked
+        with `error`) or a (message id, error) pair; per item None or its error."""
+        listed = list(items)
+        return await self._settle_many(
+            "Nack", len(listed), lambda span: nack_batch_request(queue, listed, error, span)
+        )
+
+    async def extend_lease(
+        self, queue: str, message_id: str, extend: timedelta | float | None = None
+    ) -> datetime:
+        """Push a leased message's deadline to now + `extend` (a `timedelta` or seconds;
+        None: the queue's visibility timeout); returns the new deadline."""
+        request = service_pb2.ExtendLeaseRequest(
+            queue=queue, message_id=message_id, extend_ms=milliseconds(extend, "extend")
+        )
+        response = await self._unary(self._next_service().ExtendLease, request)
+        return response.deadline.ToDatetime(tzinfo=UTC)
+
+    async def _send_acks(self, items: list[tuple[str, str]]) -> Sequence[FilaError | None]:
+        if self._batch_settlement:
+            request = service_pb2.AckBatchRequest()
+            add = request.acks.add
+            for queue, message_id in items:
+                add(queue=queue, message_id=message_id)
+            outcome = await self._settle_batch("Ack", request)
+            if outcome is not None:
+                return outcome
+        ack = self._next_service().Ack
+        return await asyncio.gather(
+            *(self._settled(ack, service_pb2.AckRequest(queue=q, message_id=m)) for q, m in items)
+        )
+
+    async def _send_nacks(self, items: list[tuple[str, str, str]]) -> Sequence[FilaError | None]:
+        if self._batch_settlement:
+            request = service_pb2.NackBatchRequest()
+            add = request.nacks.add
+            for queue, message_id, error in items:
+                add(queue=queue, message_id=message_id, error=error)
+            outcome = await self._settle_batch("Nack", request)
+            if outcome is not None:
+                return outcome
+        nack = self._next_service().Nack
+        return await asyncio.gather(
+            *(
+                self._settled(nack, service_pb2.NackRequest(queue=q, message_id=m, error=e))
+                for q, m, e in items
+            )
+        )
+
+    async def _settle_batch(
+        self, rpc: str, request: service_pb2.AckBatchRequest | service_pb2.NackBatchRequest
+    ) -> list[FilaError | None] | None:
+        """One AckBatch / NackBatch; None if the broker does not have them (fall back)."""
+        self._check_open()
+        service = self._next_service()
+        timeout, metadata = self._settings.timeout, self._settings.metadata
+        response: service_pb2.AckBatchResponse | service_pb2.NackBatchResponse
+        try:
+            if isinstance(request, service_pb2.AckBatchRequest):
+                response = await service.AckBatch(request, timeout=timeout, metadata=metadata)
+            else:
+                response = await service.NackBatch(request, timeout=timeout, metadata=metadata)
+        except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
+                self._batch_settlement = False
+                return None
+            if self._closed:
+                raise ClientClosedError() from err
+            raise map_rpc_error(err, f"{rpc}Batch") from err
+        return settle_results(response.results, rpc)
+
+    async def _settled(
+        self, rpc: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req
+    ) -> FilaError | None:
+        try:
+            await self._unary(rpc, request)
+        except FilaError as exc:
+            return exc
+        return None
+
+    async def _settle_many(
+        self,
+        rpc: str,
+        count: int,
+        build: Callable[[range], service_pb2.AckBatchRequest | service_pb2.NackBatchRequest],
+    ) -> list[FilaError | None]:
+        self._check_open()
+        results: list[FilaError | None] = []
+        for span in chunks([0] * count):
+            request = build(span)
+            try:
+                outcome = await self._settle_batch(rpc, request)
+            except FilaError as exc:
+                outcome = [exc] * len(span)
+            if outcome is None:  # no batch RPCs: one unary call per item
+                outcome = list(await self._unary_settlements(rpc, request))
+            results += outcome
+        return results
+
+    async def _unary_settlements(
+        self, rpc: str, request: service_pb2.AckBatchRequest | service_pb2.NackBatchRequest
+    ) -> Sequence[FilaError | None]:
+        if isinstance(request, service_pb2.AckBatchRequest):
+            return await self._send_acks([(a.queue, a.message_id) for a in request.acks])
+        return await self._send_nacks([(n.queue, n.message_id, n.error) for n in request.nacks])
 
     # Admin.
 
@@ -263,3 +604,12 @@ class AsyncClient:
     async def get_acl(self, key_id: str) -> Acl:
         request = admin_pb2.GetAclRequest(key_id=key_id)
         return Acl.from_proto(await self._unary(self._admin.GetAcl, request))
+
+
+def _count(value: int | None, what: str) -> int:
+    """An optional positive count for the wire (0 = the broker's default)."""
+    if value is None:
+        return 0
+    if value < 1:
+        raise ValueError(f"{what} must be at least 1, got {value}")
+    return value

@@ -10,7 +10,10 @@ import grpc
 
 __all__ = [
     "ApiKeyNotFoundError",
+    "BrokerUnreachableError",
+    "ClientClosedError",
     "ConfigKeyNotFoundError",
+    "DeadlineExceededError",
     "FilaError",
     "InvalidArgumentError",
     "MessageNotFoundError",
@@ -71,6 +74,23 @@ class ResourceExhaustedError(FilaError):
 
 class UnavailableError(FilaError):
     """The broker could not be reached or is shutting down."""
+
+
+class BrokerUnreachableError(UnavailableError):
+    """A consumer or `Worker` lost the broker and could not reach it again within the
+    client's `reconnect_timeout`; it gave up rather than wait forever."""
+
+
+class DeadlineExceededError(FilaError):
+    """The call did not complete within the client's `timeout`. Whether the broker
+    applied it is unknown: an enqueue may have been stored, an ack applied."""
+
+
+class ClientClosedError(FilaError):
+    """The client was used after `close()` (or closed while the call was waiting)."""
+
+    def __init__(self, message: str = "the client is closed") -> None:
+        super().__init__(message, grpc.StatusCode.CANCELLED)
 
 
 class RPCError(FilaError):

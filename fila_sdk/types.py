@@ -7,8 +7,9 @@ application code.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -21,6 +22,7 @@ __all__ = [
     "ConfigEntry",
     "ConfigListing",
     "CreatedApiKey",
+    "EnqueueItem",
     "FairnessKeyStats",
     "Message",
     "PeekPage",
@@ -30,9 +32,16 @@ __all__ = [
 ]
 
 
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
 def _time(stamp: Timestamp, present: bool) -> datetime | None:
     # An unset Timestamp decodes as the epoch; None says "never happened" instead.
-    return stamp.ToDatetime(tzinfo=UTC) if present else None
+    # What Timestamp.ToDatetime computes (to the microsecond), at half its cost: this
+    # runs twice per delivered message.
+    if not present:
+        return None
+    return _EPOCH + timedelta(seconds=stamp.seconds, microseconds=stamp.nanos // 1000)
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,18 +59,21 @@ class Message:
 
     @classmethod
     def from_proto(cls, msg: messages_pb2.Message) -> Message:
+        # Per delivered message, so kept lean: positional arguments, and no copies of
+        # empty maps and lists (about 3 us instead of 5 per message).
         meta, times = msg.metadata, msg.timestamps
+        headers, throttle_keys = msg.headers, meta.throttle_keys
         return cls(
-            id=msg.id,
-            queue=meta.queue_id,
-            headers=dict(msg.headers),
-            payload=msg.payload,
-            fairness_key=meta.fairness_key,
-            weight=meta.weight,
-            throttle_keys=tuple(meta.throttle_keys),
-            attempt_count=meta.attempt_count,
-            enqueued_at=_time(times.enqueued_at, times.HasField("enqueued_at")),
-            leased_at=_time(times.leased_at, times.HasField("leased_at")),
+            msg.id,
+            meta.queue_id,
+            dict(headers) if headers else {},
+            msg.payload,
+            meta.fairness_key,
+            meta.weight,
+            tuple(throttle_keys) if throttle_keys else (),
+            meta.attempt_count,
+            _time(times.enqueued_at, times.HasField("enqueued_at")),
+            _time(times.leased_at, times.HasField("leased_at")),
         )
 
 
@@ -79,6 +91,18 @@ class PeekPage:
     @classmethod
     def from_proto(cls, resp: admin_pb2.PeekMessagesResponse) -> PeekPage:
         return cls(tuple(Message.from_proto(m) for m in resp.messages), resp.next_after_id or None)
+
+
+@dataclass(frozen=True, slots=True)
+class EnqueueItem:
+    """One message for `enqueue_many`: the arguments `enqueue` takes, as a record.
+
+    `delay` (a `timedelta` or seconds) makes the message ready only that long after
+    it is stored, as a scheduled job."""
+
+    headers: Mapping[str, str] | None
+    payload: bytes
+    delay: timedelta | float | None = None
 
 
 @dataclass(frozen=True, slots=True)
