@@ -367,3 +367,30 @@ def _read_until_end(stream: StreamConsumer, within: float) -> StreamEnded:
             stream.get(max(0.0, deadline - time.monotonic()))
         except StreamEnded as end:
             return end
+
+
+def test_a_graceful_restart_keeps_stream_consume_deliveries_leased_for_settling(
+    server_factory: ServerFactory,
+) -> None:
+    """A client whose StreamConsume ended because the broker stopped may still settle
+    what it was handling, with AckBatch, once the broker is back."""
+    server = server_factory(persist_mode="sync")
+    with connect(server.addr) as fila:
+        fila.create_queue("q")
+        _batch(fila, [_enq("q", b"%d" % i) for i in range(8)])
+        stream = StreamConsumer(fila.svc, "q", prefetch=5, max_batch=5)
+        try:
+            held = stream.take(5, PROMPT_S)
+            server.stop()
+        finally:
+            stream.cancel()
+    server.start()
+    with connect(server.addr) as fila:
+        stats = fila.stats("q")
+        assert (stats.depth, stats.in_flight) == (3, 5)
+        acks = service_pb2.AckBatchRequest(
+            acks=[service_pb2.AckRequest(queue="q", message_id=m.id) for m in held]
+        )
+        results = fila.svc.AckBatch(acks, timeout=RPC_TIMEOUT_S).results
+        assert [r.code for r in results] == [0] * 5
+        assert fila.stats("q").in_flight == 0

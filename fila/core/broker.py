@@ -458,7 +458,9 @@ class Broker:
         self._closing = True
         for queue in list(self.queues.values()):
             for consumer in list(queue.consumers.consumers.values()):
-                self.delivery.detach_consumer(consumer, Unavailable("broker is shutting down"))
+                self.delivery.detach_consumer(
+                    consumer, Unavailable("broker is shutting down"), keep_sent=True
+                )
         self.committer.flush_now()
         self.timers.close()
 

@@ -64,10 +64,14 @@ class Delivery:
         self.broker.mark_dirty(queue)
         return consumer
 
-    def detach_consumer(self, consumer: Consumer, reason: BrokerError | None = None) -> None:
+    def detach_consumer(
+        self, consumer: Consumer, reason: BrokerError | None = None, *, keep_sent: bool = False
+    ) -> None:
         """The stream ended (or must end, for `reason`): messages it never sent go
         straight back; sent ones stay leased, except on a stream that settles its own
-        (StreamConsume), whose delivered messages come back as failed attempts."""
+        (StreamConsume), whose delivered messages come back as failed attempts, unless
+        `keep_sent` (a broker shutting down: its client may still settle them with
+        AckBatch/NackBatch after the restart, before their visibility timeout)."""
         queue = self.broker.queues.get(consumer.queue_name)
         consumer.close(reason or Unavailable("consumer closed"))
         unsent = consumer.release_unsent()
@@ -76,7 +80,7 @@ class Delivery:
         for lease in unsent:
             if lease.active and not lease.sent:
                 self.broker.return_unsent(queue, lease)
-        if consumer.stream_leases:
+        if consumer.stream_leases and not keep_sent:
             for lease in list(consumer.stream_leases.values()):
                 if lease.active:
                     self.broker.return_sent(queue, lease)
