@@ -1,14 +1,17 @@
-"""Connections the load generators use: the SDK client, or a dedicated TCP connection.
+"""Connections the load generators use: SDK clients, on shared or dedicated TCP connections.
 
-Everything goes through `fila_sdk.AsyncClient` except one case the SDK cannot express
-yet. gRPC pools subchannels process-wide, so every `AsyncClient` to the same address
+gRPC pools subchannels process-wide, so every `AsyncClient` to the same address
 shares one TCP connection (checked with `ss`: five clients, one connection). A
 benchmark whose variable is the number of connections (the 50-producer enqueue, the
-1/8/50 durability matrix) needs real ones, and that takes a channel option
-(`grpc.use_local_subchannel_pool`) the SDK does not accept. `DedicatedConnection` is
-that fallback over the raw `fila.v1` stubs, with the same three calls and the same
-`fila_sdk.types.Message` records, so per-call work matches the SDK's. When the SDK
-grows a channel-options argument, `open_connections` is the one place to change.
+1/8/50 durability matrix) needs real ones: `open_connections(dedicated=True)` gives
+each client its own with the `grpc.use_local_subchannel_pool` channel option. Those
+rows measure what a user of the SDK gets: `enqueue` rides an open `StreamEnqueue`
+stream, acks are coalesced into `AckBatch`.
+
+`UnaryConnection` is the other client: one unary `Enqueue` call per message over the
+raw stubs. Only the echo ceiling uses it, because the ceiling is defined as what this
+stack does for one-message-per-call designs (the echo server answers unary `Enqueue`
+and nothing else).
 """
 
 from __future__ import annotations
@@ -43,8 +46,8 @@ class Connection(Protocol):
     async def close(self) -> None: ...
 
 
-class DedicatedConnection:
-    """One TCP connection of its own, over the raw stubs (see the module docstring)."""
+class UnaryConnection:
+    """One TCP connection of its own, one unary call per message (see the module docstring)."""
 
     def __init__(self, addr: str) -> None:
         self._channel = grpc.aio.insecure_channel(addr, options=_DEDICATED_OPTIONS)
@@ -73,7 +76,7 @@ class DedicatedConnection:
 def open_connections(addr: str, count: int, *, dedicated: bool) -> list[Connection]:
     """`count` connections: separate TCP connections if `dedicated`, else SDK clients."""
     if dedicated:
-        return [DedicatedConnection(addr) for _ in range(count)]
+        return [AsyncClient(addr, channel_options=_DEDICATED_OPTIONS) for _ in range(count)]
     return [AsyncClient(addr) for _ in range(count)]
 
 

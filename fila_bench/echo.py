@@ -2,11 +2,12 @@
 
 A bare `grpc.aio` server in its own process answers `fila.v1.FilaService/Enqueue`
 with a canned reply (it parses the request, as any server must, and stores nothing).
-The load generator drives it with the same client code, the same 50 dedicated
-connections and the same one 256-byte call in flight per connection as the durable
-and buffered one-in-flight rows. Its rate is the ceiling of the stack here: a broker
-figure divided by it says how much of what the stack allows the broker delivers,
-which is a number that moves much less with the host than msg/s does.
+The load generator drives it with the same load loop, 50 dedicated connections and
+one 256-byte message in flight per connection, as the durable and buffered
+one-in-flight rows, but one unary call per message (`UnaryConnection`): the ceiling of
+one-message-per-call designs, which the SDK's stream path is meant to beat. A broker
+figure divided by it says how the broker compares with what the stack allows per
+call, a number that moves much less with the host than msg/s does.
 
 The runner keeps one echo server and its 50 connections for the whole run and
 measures a short window before the first throughput case and after every one, so the
@@ -32,7 +33,7 @@ import grpc.aio
 
 from fila.server.process import free_port
 from fila.v1 import service_pb2
-from fila_bench.conn import close_all, open_connections
+from fila_bench.conn import Connection, UnaryConnection, close_all
 from fila_bench.cpus import pin_process
 from fila_bench.load import enqueue_for
 
@@ -77,7 +78,7 @@ class EchoCeiling:
 
     def __init__(self, addr: str) -> None:
         self.addr = addr
-        self._conns = open_connections(addr, CONNECTIONS, dedicated=True)
+        self._conns: list[Connection] = [UnaryConnection(addr) for _ in range(CONNECTIONS)]
         self.windows: list[float] = []  # every measured rate, in run order
 
     async def measure(self, warmup_s: float, measure_s: float) -> float:

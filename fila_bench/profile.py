@@ -45,6 +45,8 @@ class Profile:
     compaction_baseline_s: float
     burst_messages: int
     burst_payload: int
+    # Batched drain: backlog drained by one batched stream.
+    batch_drain_messages: int
     # Upper bound on any drain or preload; past it the benchmark fails.
     deadline_s: float
 
@@ -70,6 +72,7 @@ QUICK = Profile(
     compaction_baseline_s=2.0,
     burst_messages=1_200,
     burst_payload=256 * 1024,
+    batch_drain_messages=50_000,
     deadline_s=60.0,
 )
 
@@ -94,5 +97,6 @@ FULL = Profile(
     compaction_baseline_s=5.0,
     burst_messages=2_400,
     burst_payload=256 * 1024,
+    batch_drain_messages=200_000,
     deadline_s=180.0,
 )

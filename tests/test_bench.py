@@ -212,7 +212,8 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
     assert raw["unit"] == "msg/s" and raw["higher_is_better"] is True and raw["value"] > 0
     # the raw rate is kept for comparison with published figures; the ratio is gated
     assert raw["gated"] is False and ratio["gated"] is True
-    assert ceiling["value"] > 0 and 0 < ratio["value"] < 5
+    # the SDK coalesces concurrent enqueues per connection, so well above 1 is expected
+    assert ceiling["value"] > 0 and 0 < ratio["value"] < 50
     assert "enqueue_1kb_sync_50p" in proc.stdout
 
 

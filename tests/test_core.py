@@ -342,3 +342,46 @@ def test_a_throttle_wake_returns_only_the_keys_that_are_due() -> None:
         assert len(core.take(consumer)) == 50
 
     run(scenario)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    ops=st.lists(
+        st.one_of(
+            st.tuples(st.just("push"), st.integers(0, 2_000), st.integers(0, 3), st.integers(0, 2)),
+            st.tuples(st.just("pop"), st.just(0), st.just(0), st.just(0)),
+        ),
+        max_size=300,
+    )
+)
+def test_a_packed_fairness_key_behaves_like_a_sorted_list_of_refs(
+    ops: list[tuple[str, int, int, int]],
+) -> None:
+    from fila.core.fairness_key import FairnessKey, ThrottleTable
+
+    key = FairnessKey("k", 1, ThrottleTable())
+    model: dict[int, tuple[int, tuple[str, ...]]] = {}
+    throttles = [(), ("a",), ("a", "b")]
+    for op, n, attempts, throttle in ops:
+        if op == "push" and n not in model:
+            key.push(_ref_with(n, attempts, throttles[throttle]))
+            model[n] = (attempts, throttles[throttle])
+        elif op == "pop" and model:
+            first = min(model)
+            ref = key.popleft()
+            assert ref.key == _ref(first, "k").key
+            assert (ref.attempt_count, ref.throttle_keys) == model.pop(first)
+        assert len(key) == len(model)
+        assert [r.key for r in key.iter_from()] == [_ref(n, "k").key for n in sorted(model)]
+        if model:
+            assert key.head_throttle_keys() == model[min(model)][1]
+    middle = _ref(1_000, "k").key
+    assert [r.key for r in key.iter_from(middle)] == [
+        _ref(n, "k").key for n in sorted(model) if n > 1_000
+    ]
+
+
+def _ref_with(n: int, attempts: int, throttle: tuple[str, ...]) -> MessageRef:
+    ref = _ref(n, "k", throttle=throttle)
+    ref.attempt_count = attempts
+    return ref

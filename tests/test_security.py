@@ -45,6 +45,7 @@ from fila.security.failures import (
 )
 from fila.server.access import RULES, Scope
 from fila.server.process import ServerProcess
+from fila.storage.backend import RocksStorage
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 from fila_sdk import (
     AclPermission,
@@ -637,7 +638,14 @@ def test_created_key_is_random_shown_once_and_stored_hashed(server_factory: Serv
     srv.stop()
     for err in (denied.value, refused.value):
         assert keys[0].key not in err.message
-    stored = b"".join(p.read_bytes() for p in srv.data_dir.rglob("*") if p.is_file())
+    # Read back through RocksDB, not the raw files: SST blocks are compressed, so a
+    # byte search of the files can miss a stored plaintext (or a stored hash).
+    storage = RocksStorage(srv.data_dir)
+    try:
+        records = (kv for first in range(0xFF) for kv in storage.scan(bytes([first])))
+        stored = b"\n".join(k + b"\n" + v for k, v in records)
+    finally:
+        storage.close()
     log = srv.log_text()
     for key in keys:
         assert key.key.encode() not in stored

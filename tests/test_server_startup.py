@@ -230,11 +230,12 @@ def test_a_storage_failure_while_serving_exits_3_without_a_traceback(
             )
             enqueue = service_pb2_grpc.FilaServiceStub(channel).Enqueue
             codes = set()
+            # Incompressible: zeros would compress to nothing once flushed to an SST,
+            # and the WAL is recycled after each flush, so the disk would never fill.
+            payload = os.urandom(1 << 20)
             for _ in range(100):
                 try:
-                    enqueue(
-                        service_pb2.EnqueueRequest(queue="q", payload=bytes(1 << 20)), timeout=10
-                    )
+                    enqueue(service_pb2.EnqueueRequest(queue="q", payload=payload), timeout=10)
                 except grpc.RpcError as exc:
                     codes.add(exc.code())
                     break

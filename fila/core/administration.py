@@ -13,7 +13,6 @@ import asyncio
 import heapq
 import itertools
 import logging
-from bisect import bisect_right
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -126,11 +125,11 @@ class Administration:
         drr_keys = queue.drr.keys
         shown = list(drr_keys.values())
         if len(shown) > MAX_LISTED_KEYS:
-            shown = heapq.nlargest(MAX_LISTED_KEYS, shown, key=lambda k: len(k.messages))
+            shown = heapq.nlargest(MAX_LISTED_KEYS, shown, key=len)
         deliveries = queue.key_deliveries
         per_key = sorted(
             (
-                KeyStats(k.name, len(k.messages), k.deficit, k.weight, deliveries.get(k.name, 0))
+                KeyStats(k.name, len(k), k.deficit, k.weight, deliveries.get(k.name, 0))
                 for k in shown
             ),
             key=lambda k: k.key,
@@ -150,8 +149,8 @@ class Administration:
         """The buckets this queue's ready messages use, else every bucket (capped)."""
         used: set[str] = set()
         for key in itertools.islice(queue.drr.keys.values(), MAX_LISTED_KEYS):
-            if key.messages:
-                used.update(key.messages[0].throttle_keys)
+            if key:
+                used.update(key.head_throttle_keys())
         stats = self.broker.throttles.stats(used or None)
         return stats[:MAX_LISTED_KEYS]
 
@@ -290,9 +289,7 @@ class Administration:
             else list(drr_keys.values())
         )
         for key in ready_keys:
-            messages = key.messages
-            start = bisect_right(messages, after, key=_ref_key) if after else 0
-            sources.append(itertools.islice(messages, start, None))
+            sources.append(key.iter_from(after))
         sources.append(sorted(wanted(queue.delayed.values()), key=_ref_key))
         sources.append(sorted(wanted(lease.ref for lease in queue.leases), key=_ref_key))
         return heapq.merge(*sources, key=_ref_key)

@@ -160,7 +160,7 @@ class Delivery:
         now = self.broker.clock.now_ms()
         wakes = queue.throttle_wakes
         for key in keys:
-            wait_s = throttles.seconds_until_available(key.messages[0].throttle_keys)
+            wait_s = throttles.seconds_until_available(key.head_throttle_keys())
             heapq.heappush(wakes, (now + max(1, int(wait_s * 1000) + 1), next(_wake_seq), key))
         self._arm_throttle_wake(queue)
 

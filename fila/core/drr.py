@@ -17,34 +17,22 @@ messages of its weighted share over any window (the fairness requirement is
 
 from __future__ import annotations
 
-import bisect
 from collections import deque
 from collections.abc import Callable, Iterator
 
+from fila.core.fairness_key import FairnessKey, ThrottleTable
 from fila.core.records import MessageRef
 
 TokenCheck = Callable[[tuple[str, ...]], bool]
 
-
-def _sort_key(ref: MessageRef) -> bytes:
-    return ref.key
-
-
-class FairnessKey:
-    __slots__ = ("deficit", "messages", "name", "parked", "weight")
-
-    def __init__(self, name: str, weight: int) -> None:
-        self.name = name
-        self.weight = weight
-        self.deficit = 0
-        self.messages: deque[MessageRef] = deque()
-        self.parked = False
+__all__ = ["Drr", "FairnessKey", "TokenCheck"]
 
 
 class Drr:
     def __init__(self, quantum: int) -> None:
         self.quantum = quantum
         self.keys: dict[str, FairnessKey] = {}
+        self._throttles = ThrottleTable()
         self._ring: deque[FairnessKey] = deque()
         self._turn_open = False
         self._parked: dict[str, FairnessKey] = {}
@@ -63,20 +51,12 @@ class Drr:
         """
         key = self.keys.get(ref.fairness_key)
         if key is None:
-            key = FairnessKey(ref.fairness_key, ref.weight)
+            key = FairnessKey(ref.fairness_key, ref.weight, self._throttles)
             self.keys[ref.fairness_key] = key
             self._ring.append(key)
-        else:
-            ref.fairness_key = key.name  # one shared string per key, not one per message
-            if fresh:
-                key.weight = ref.weight
-        messages = key.messages
-        if not messages or messages[-1].key < ref.key:
-            messages.append(ref)
-        elif ref.key < messages[0].key:
-            messages.appendleft(ref)
-        else:
-            messages.insert(bisect.bisect_left(messages, ref.key, key=_sort_key), ref)
+        elif fresh:
+            key.weight = ref.weight
+        key.push(ref)
         self.ready_count += 1
 
     def pick(self, has_tokens: TokenCheck | None) -> MessageRef | None:
@@ -94,18 +74,22 @@ class Drr:
                 ring.rotate(-1)
                 self._turn_open = False
                 continue
-            head = key.messages[0]
-            if has_tokens is not None and head.throttle_keys and not has_tokens(head.throttle_keys):
+            if has_tokens is not None:
+                throttle_keys = key.head_throttle_keys()
+                blocked = bool(throttle_keys) and not has_tokens(throttle_keys)
+            else:
+                blocked = False
+            if blocked:
                 ring.popleft()
                 self._turn_open = False
                 key.parked = True
                 self._parked[key.name] = key
                 self.newly_parked.append(key)
                 continue
-            key.messages.popleft()
+            head = key.popleft()
             key.deficit -= 1
             self.ready_count -= 1
-            if not key.messages:
+            if not key:
                 ring.popleft()
                 self._turn_open = False
                 del self.keys[key.name]
@@ -144,9 +128,9 @@ class Drr:
         """Takes up to `limit` ready messages out, oldest first within each key (redrive)."""
         taken: list[MessageRef] = []
         for key in list(self.keys.values()):
-            while key.messages and len(taken) < limit:
-                taken.append(key.messages.popleft())
-            if not key.messages:
+            while key and len(taken) < limit:
+                taken.append(key.popleft())
+            if not key:
                 self._drop_key(key)
             if len(taken) >= limit:
                 break
@@ -155,7 +139,7 @@ class Drr:
 
     def drain(self) -> list[MessageRef]:
         """Takes every ready message out, oldest first within each key."""
-        refs = [ref for key in self.keys.values() for ref in key.messages]
+        refs = [ref for key in self.keys.values() for ref in key.take_all()]
         self.keys.clear()
         self._ring.clear()
         self._parked.clear()
@@ -166,7 +150,7 @@ class Drr:
 
     def iter_ready(self) -> Iterator[MessageRef]:
         for key in self.keys.values():
-            yield from key.messages
+            yield from key.iter_from()
 
     def _drop_key(self, key: FairnessKey) -> None:
         del self.keys[key.name]

@@ -34,6 +34,7 @@ from fila.core.recovery import recover
 from fila.server import admin, service
 from fila.server.auth import auth_interceptors, load_keyring
 from fila.server.limits import connection_cap, raise_open_files_limit
+from fila.server.memory import HeapTrimmer
 from fila.storage.backend import CorruptionError, RocksStorage, StorageError
 from fila.storage.committer import Committer
 from fila.storage.salvage import salvage
@@ -188,6 +189,8 @@ async def serve(config: Config) -> ExitCode:
             "valid here; set server.listen_addr or FILA_LISTEN_ADDR"
         ) from None
     await server.start()
+    trimmer = HeapTrimmer()
+    trimmer.start()
     for name in ("", service.SERVICE_NAME, admin.SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()
@@ -213,6 +216,7 @@ async def serve(config: Config) -> ExitCode:
     if not failure:
         broker.close()
     await server.stop(config.server.shutdown_grace_ms / 1000)
+    trimmer.stop()
     if not failure:
         committer.flush_now()
     committer.close()

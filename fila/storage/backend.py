@@ -165,7 +165,7 @@ def rocks_options() -> Options:
     options.set_paranoid_checks(True)
     options.set_wal_recovery_mode(DBRecoveryMode.tolerate_corrupted_tail_records())
     options.set_max_background_jobs(2)
-    options.set_write_buffer_size(64 * 1024 * 1024)
+    options.set_write_buffer_size(32 * 1024 * 1024)
     options.set_max_write_buffer_number(4)
     options.set_level_zero_slowdown_writes_trigger(30)
     options.set_level_zero_stop_writes_trigger(48)

@@ -27,6 +27,7 @@ CEILING_ROWS = (ECHO_CASE, f"{ECHO_CASE}_spread_pct")  # added by the runner, no
 def all_cases() -> list[Case]:
     # Imported here: the modules import keys_script from this package.
     from fila_bench.benchmarks import (
+        batch,
         durability,
         enqueue,
         latency,
@@ -45,10 +46,8 @@ def all_cases() -> list[Case]:
         *throttle.CASES,
         *resources.CASES,
         *durability.CASES,
-        # The batch paths (issue 7 item 5) go here, each a case of its own
-        # with its rates listed in `ratios`, once fila_sdk has the batch calls they
-        # drive: SDK batched single producer (1 KB), lifecycle through `Worker`,
-        # batched drain, and RSS with 1,000,000 ready messages.
+        # The batch paths: rows of their own, not one-in-flight figures (no ratios).
+        *batch.CASES,
     ]
 
 
