@@ -127,8 +127,8 @@ def recover(broker: Broker) -> RecoveryReport:
     )
     if report.orphans:
         log.error(
-            "%d stored messages name a queue that does not exist; they were left untouched "
+            "stored messages name a queue that does not exist; they were left untouched "
             "(a sign of damage: see 'Damaged data' in docs/operations.md)",
-            report.orphans,
+            extra={"messages": report.orphans},
         )
     return report
