@@ -127,10 +127,6 @@ class Telemetry:
             tracer = tracer_provider.get_tracer(SCOPE, __version__)
             self.interceptors.append(TracingInterceptor(tracer))
 
-    @property
-    def prometheus_port(self) -> int | None:
-        return None if self._prometheus is None else int(self._prometheus[0].server_port)
-
     @classmethod
     def start(
         cls, section: TelemetrySection, broker: Broker, committer: Committer, max_queues: int
@@ -145,19 +141,11 @@ class Telemetry:
 
         limit = cardinality_limit(max_queues, MAX_COUNTED_KEYS)
         readers: list[PrometheusMetricReader | PeriodicExportingMetricReader] = []
-        prometheus = None
+        registry = None
         if section.prometheus_listen:
             registry = CollectorRegistry()
             ProcessCollector(registry=registry)  # process_cpu_seconds_total, RSS, open fds
             readers.append(_PrometheusReader(augment, registry, limit))
-            host, port = split_listen(section.prometheus_listen)
-            try:
-                prometheus = start_http_server(port, host, registry)
-            except OSError as exc:
-                raise TelemetryStartError(
-                    f"cannot serve Prometheus metrics on {section.prometheus_listen}: "
-                    f"{exc.strerror or exc}; set telemetry.prometheus_listen"
-                ) from None
         tracer_provider = None
         if section.otlp_endpoint:
             endpoint, insecure = otlp_target(section.otlp_endpoint)
@@ -171,6 +159,17 @@ class Telemetry:
             tracer_provider.add_span_processor(BatchSpanProcessor(spans))
         meters = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
         metrics.register(meters.get_meter(SCOPE, __version__))
+        prometheus = None
+        if registry is not None:  # listen only once there is something to collect
+            host, port = split_listen(section.prometheus_listen)
+            try:
+                prometheus = start_http_server(port, host, registry)
+            except OSError as exc:
+                cls(meters, tracer_provider, None).shutdown()
+                raise TelemetryStartError(
+                    f"cannot serve Prometheus metrics on {section.prometheus_listen}: "
+                    f"{exc.strerror or exc}; set telemetry.prometheus_listen"
+                ) from None
         return cls(meters, tracer_provider, prometheus)
 
     def shutdown(self) -> None:
