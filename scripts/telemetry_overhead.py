@@ -13,19 +13,23 @@ Each round starts a fresh broker per mode and runs the same three workloads on i
   stream) of a preloaded backlog.
 
 Modes: `off` (no exporter) and `on` (Prometheus endpoint scraped every second, OTLP
-metrics every second to a receiver in this process: ten times the default export
-rate); `--modes` can add `prom` (Prometheus only) and `otlp` (OTLP only, which also
-installs the tracing interceptor) to tell their costs apart. `--traced` makes every
-request of `on` and `otlp` carry a sampled `traceparent`, so each RPC also makes and
-exports a span. `--baseline-src DIR` adds `base`: the broker from another source tree
-(say an export of main), to see what the core's own bookkeeping costs. Modes run
-interleaved, their order rotating from round to round, so drift in the machine's load
-falls on all of them alike; the report gives the median of the
-rounds per mode and the difference to `off`.
+metrics every second to a receiver in this process: ten times the default export rate;
+`--interval` changes both); `--modes` can add `prom` (Prometheus only) and `otlp`
+(OTLP only, which also installs the tracing interceptor) to tell their costs apart.
+`--traced` makes every request of `on` and `otlp` carry a sampled `traceparent`, so
+each RPC also makes and exports a span. `--baseline-src DIR` adds `base`: the broker
+from another source tree (say an export of main), to see what the core's own
+bookkeeping costs. Modes run interleaved, their order rotating from round to round, so
+drift in the machine's load falls on all of them alike; the report gives the median of
+the rounds per mode and the difference to `off`.
 
 Throughput depends on the client too (the load generator shares the machine), so the
 broker's CPU time per message (from /proc, utime + stime over the measured window) is
-reported beside it: it is the figure that shows a cost the client hides.
+reported beside it: it is the figure that shows a cost the client hides. Flat out, a
+broker that the machine happens to slow down also forms smaller group commits and so
+spends more per message; `--enqueue-rate` and `--batch-rate` hold the enqueue loads at
+a fixed rate below capacity instead, so that both modes do the same work in the same
+batches and only the CPU per message differs.
 
 `--micro` measures the pieces in this process instead, which a busy machine disturbs
 far less than an end-to-end run: what the core's bookkeeping adds per delivery (the
@@ -52,6 +56,7 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -103,8 +108,8 @@ class _Receiver(
 def otlp_receiver() -> Iterator[tuple[str, _Receiver]]:
     receiver = _Receiver()
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
-    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(receiver, server)
-    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)
+    metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(receiver, server)  # type: ignore[no-untyped-call]
+    trace_service_pb2_grpc.add_TraceServiceServicer_to_server(receiver, server)  # type: ignore[no-untyped-call]
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()
     try:
@@ -231,14 +236,27 @@ async def timed_loops(pid: int, loops: list[Any], warmup_s: float, seconds: floa
     return Measured(int(state["messages"]), t1 - t0, cpu1 - cpu0)
 
 
-async def enqueue_unary(broker: Broker, seconds: float, metadata: Any) -> Measured:
+async def pace(next_at: float, interval: float) -> float:
+    """Sleeps until `next_at` (a closed loop when `interval` is 0); returns the next one."""
+    if interval:
+        delay = next_at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+    return next_at + interval
+
+
+async def enqueue_unary(broker: Broker, seconds: float, metadata: Any, rate: float) -> Measured:
     chans = channels(broker.addr, 4)
     stubs = [service_pb2_grpc.FilaServiceStub(c) for c in chans]
     request = service_pb2.EnqueueRequest(queue="unary", payload=PAYLOAD)
+    loops = 32
+    interval = loops / rate if rate else 0.0
 
     def loop(stub: Any) -> Any:
         async def run(state: dict[str, Any]) -> None:
+            next_at = time.perf_counter()
             while not state["stop"]:
+                next_at = await pace(next_at, interval)
                 await stub.Enqueue(request, metadata=metadata, timeout=30)
                 if state["counting"]:
                     state["messages"] += 1
@@ -247,23 +265,26 @@ async def enqueue_unary(broker: Broker, seconds: float, metadata: Any) -> Measur
 
     try:
         return await timed_loops(
-            broker.proc.pid, [loop(stubs[i % 4]) for i in range(32)], 1.0, seconds
+            broker.proc.pid, [loop(stubs[i % 4]) for i in range(loops)], 1.0, seconds
         )
     finally:
         for c in chans:
-            await c.close()
+            await c.close(None)
 
 
-async def enqueue_batch(broker: Broker, seconds: float, metadata: Any) -> Measured:
+async def enqueue_batch(broker: Broker, seconds: float, metadata: Any, rate: float) -> Measured:
     chans = channels(broker.addr, 4)
     stubs = [service_pb2_grpc.FilaServiceStub(c) for c in chans]
     batch = service_pb2.EnqueueBatchRequest(
         messages=[service_pb2.EnqueueRequest(queue="batch", payload=PAYLOAD)] * 100
     )
+    interval = len(stubs) * 100 / rate if rate else 0.0
 
     def loop(stub: Any) -> Any:
         async def run(state: dict[str, Any]) -> None:
+            next_at = time.perf_counter()
             while not state["stop"]:
+                next_at = await pace(next_at, interval)
                 await stub.EnqueueBatch(batch, metadata=metadata, timeout=30)
                 if state["counting"]:
                     state["messages"] += 100
@@ -274,7 +295,7 @@ async def enqueue_batch(broker: Broker, seconds: float, metadata: Any) -> Measur
         return await timed_loops(broker.proc.pid, [loop(s) for s in stubs], 1.0, seconds)
     finally:
         for c in chans:
-            await c.close()
+            await c.close(None)
 
 
 async def stream_consume(broker: Broker, backlog: int, metadata: Any) -> Measured:
@@ -305,22 +326,23 @@ async def stream_consume(broker: Broker, backlog: int, metadata: Any) -> Measure
     cpu1, t1 = cpu_seconds(broker.proc.pid), time.perf_counter()
     acks.put_nowait(None)
     call.cancel()
-    await chan.close()
+    await chan.close(None)
     return Measured(received, t1 - t0, cpu1 - cpu0)
 
 
 async def run_workloads(
-    broker: Broker, seconds: float, backlog: int, metadata: Any, workloads: list[str]
+    broker: Broker, args: argparse.Namespace, metadata: Any, workloads: list[str]
 ) -> dict[str, Measured]:
+    seconds, backlog = args.seconds, args.backlog
     async with grpc.aio.insecure_channel(broker.addr) as chan:
         admin = admin_pb2_grpc.FilaAdminStub(chan)
         for name in ("unary", "batch", "drain"):
             await admin.CreateQueue(admin_pb2.CreateQueueRequest(name=name), timeout=30)
     measured = {}
     if "enqueue" in workloads:
-        measured["enqueue"] = await enqueue_unary(broker, seconds, metadata)
+        measured["enqueue"] = await enqueue_unary(broker, seconds, metadata, args.enqueue_rate)
     if "enqueue_batch" in workloads:
-        measured["enqueue_batch"] = await enqueue_batch(broker, seconds, metadata)
+        measured["enqueue_batch"] = await enqueue_batch(broker, seconds, metadata, args.batch_rate)
     if "stream_consume" in workloads:
         measured["stream_consume"] = await stream_consume(broker, backlog, metadata)
     return measured
@@ -340,12 +362,15 @@ class Results:
             self.cpu.setdefault((mode, workload), []).append(m.cpu_us_per_message)
 
 
-def config_for(mode: str, persist_mode: str, otlp: str, prometheus_port: int) -> str:
+def config_for(
+    mode: str, persist_mode: str, otlp: str, prometheus_port: int, interval_s: float
+) -> str:
     text = f'[storage]\npersist_mode = "{persist_mode}"\n[telemetry]\n'
     if mode in ("on", "prom"):
         text += f'prometheus_listen = "127.0.0.1:{prometheus_port}"\n'
     if mode in ("on", "otlp"):
-        text += f'otlp_endpoint = "{otlp}"\nmetrics_interval_ms = 1000\n'
+        interval_ms = int(interval_s * 1000)
+        text += f'otlp_endpoint = "{otlp}"\nmetrics_interval_ms = {interval_ms}\n'
     return text
 
 
@@ -361,7 +386,7 @@ def micro() -> None:
     from fila.v1 import service_pb2 as s
 
     sys.path.insert(0, str(REPO / "tests"))
-    from support.core import make_core
+    from support.core import make_core  # type: ignore[import-not-found]
 
     async def build(queues: int) -> Any:
         core = make_core(queues=[f"q{i}" for i in range(queues)])
@@ -397,7 +422,7 @@ def micro() -> None:
         registry = CollectorRegistry()
         resource = Resource.create({})
         reader = _PrometheusReader(
-            lambda data, m=metrics, r=resource: m.with_histograms(data, r), registry, 100_000
+            partial(metrics.with_histograms, resource=resource), registry, 100_000
         )
         provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
         metrics.register(provider.get_meter("fila"))
@@ -419,9 +444,25 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=4.0, help="measured window per load")
     parser.add_argument("--backlog", type=int, default=30_000, help="messages to drain")
+    parser.add_argument(
+        "--enqueue-rate",
+        type=float,
+        default=0,
+        help="unary enqueues/s to hold (0: as fast as the broker answers)",
+    )
+    parser.add_argument(
+        "--batch-rate", type=float, default=0, help="batched messages/s to hold (0: flat out)"
+    )
     parser.add_argument("--baseline-src", type=Path, help="source tree of a baseline broker")
     parser.add_argument("--traced", action="store_true", help="send traceparent when on")
     parser.add_argument("--persist-mode", choices=("sync", "buffer"), default="sync")
+    parser.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between scrapes and between OTLP exports (default 1: ten times the "
+        "default export rate; 10 is the default metrics_interval_ms)",
+    )
     parser.add_argument("--micro", action="store_true", help="time the pieces in-process")
     parser.add_argument(
         "--modes", default="off,on", help="comma-separated: off, on, prom, otlp (default off,on)"
@@ -445,19 +486,19 @@ def main() -> int:
             for mode in modes[shift:] + modes[:shift]:
                 src = args.baseline_src if mode == "base" else REPO
                 prometheus_port = free_port()
-                config = config_for(mode, args.persist_mode, endpoint, prometheus_port)
+                config = config_for(
+                    mode, args.persist_mode, endpoint, prometheus_port, args.interval
+                )
                 broker = start_broker(src, config, workdir)
                 metadata = traced if (mode in ("on", "otlp") and args.traced) else None
                 try:
                     scraping = (
-                        Scraper(prometheus_port)
+                        Scraper(prometheus_port, args.interval)
                         if mode in ("on", "prom")
                         else contextlib.nullcontext()
                     )
                     with scraping:
-                        measured = asyncio.run(
-                            run_workloads(broker, args.seconds, args.backlog, metadata, workloads)
-                        )
+                        measured = asyncio.run(run_workloads(broker, args, metadata, workloads))
                 finally:
                     broker.stop()
                 results.add(mode, measured)
@@ -469,7 +510,10 @@ def main() -> int:
     shutil.rmtree(workdir, ignore_errors=True)
 
     print()
-    print(f"median of {args.rounds} rounds, persist_mode={args.persist_mode}, traced={args.traced}")
+    print(
+        f"median of {args.rounds} rounds, persist_mode={args.persist_mode}, "
+        f"traced={args.traced}, collection every {args.interval:g} s"
+    )
     print(f"{'workload':<16}{'mode':<6}{'msgs/s':>12}{'vs off':>9}{'cpu us/msg':>12}{'vs off':>9}")
     for workload in workloads:
         base_rate = statistics.median(results.rates[("off", workload)])
