@@ -50,6 +50,32 @@ class Requires:
 Positive = Annotated[int, AtLeast(1)]
 
 
+class Address:
+    """Constraint marker: a non-empty string field must be `host:port` (IPv6 hosts in
+    brackets), or `scheme://host:port[/path]` with one of `schemes` when any are given."""
+
+    __slots__ = ("schemes",)
+
+    def __init__(self, *schemes: str) -> None:
+        self.schemes = schemes
+
+    def problem(self, value: str) -> str | None:
+        """Why `value` is not such an address, or None if it is."""
+        rest = value
+        if "://" in value:
+            scheme, rest = value.split("://", 1)
+            if scheme not in self.schemes:
+                allowed = " or ".join(f"{s}://" for s in self.schemes) or "none"
+                return f"scheme {scheme}:// is not supported (allowed: {allowed})"
+            rest = rest.split("/", 1)[0]
+        host, sep, port = rest.rpartition(":")
+        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+            return "expected host:port with a port from 1 to 65535"
+        if host.startswith("[") != host.endswith("]") or " " in host:
+            return "the host is malformed"
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class AtMost:
     """Constraint marker: a numeric field must be <= `maximum`."""
@@ -102,12 +128,18 @@ class LuaSection:
     circuit_breaker_cooldown_ms: Annotated[int, AtLeast(0)] = 10000
 
 
+LogFormat = Literal["logfmt", "json"]
+LogLevel = Literal["debug", "info", "warning", "error", "critical"]
+
+
 @dataclass(frozen=True, slots=True)
 class TelemetrySection:
-    otlp_endpoint: str = ""
+    otlp_endpoint: Annotated[str, Address("http", "https")] = ""
     service_name: str = "fila"
-    metrics_interval_ms: Positive = 10000
-    prometheus_listen: str = ""
+    metrics_interval_ms: Annotated[int, AtLeast(100)] = 10000
+    prometheus_listen: Annotated[str, Address()] = ""
+    log_format: LogFormat = "logfmt"
+    log_level: LogLevel = "info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -263,6 +295,8 @@ def _check(base: Any, markers: tuple[object, ...], key: str, value: Any, source:
     if type(value) not in accepted:
         raise ConfigError(f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}, got {_toml(value)}')
     for marker in markers:
+        if isinstance(marker, Address) and value and (problem := marker.problem(value)):
+            raise ConfigError(f'{source}: "{key}" {problem}, got {_toml(value)}')
         if isinstance(marker, AtLeast) and value < marker.minimum:
             raise ConfigError(f'{source}: "{key}" must be >= {marker.minimum}, got {value}')
         if isinstance(marker, AtMost) and value > marker.maximum:

@@ -33,6 +33,7 @@ from .errors import (
     UnauthenticatedError,
     UnavailableError,
 )
+from .tracing import with_trace_context
 from .types import AclPermission
 
 ChannelOptions = Sequence[tuple[str, str | int]]
@@ -149,11 +150,17 @@ class Settings:
 
     target: str
     credentials: grpc.ChannelCredentials | None
-    metadata: tuple[tuple[str, str], ...]
+    auth_metadata: tuple[tuple[str, str], ...]
     timeout: float | None
     options: tuple[tuple[str, str | int], ...]
     connections: int
     reconnect_timeout: float | None
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        """What each call sends: the API key, and the caller's trace context when
+        OpenTelemetry is active (see `fila_sdk.tracing`); read at every call."""
+        return with_trace_context(self.auth_metadata)
 
     @classmethod
     def build(

@@ -831,7 +831,7 @@ def test_print_is_logged_marked_quoted_and_rate_limited(server_factory: ServerFa
         f"{len(lines)} print lines in {elapsed:.2f}s (allowed {allowed:.0f})"
     )
     for line in lines:
-        assert 'queue="printer"' in line and "hook=on_enqueue" in line, line
+        assert "queue=printer" in line and "hook=on_enqueue" in line, line
         assert len(line) < 1000, len(line)
     # the forged text stays inside the quoted value: no line of its own
     assert not any(line.startswith("2030-01-01") for line in log.splitlines()), log[-2000:]

@@ -98,7 +98,7 @@ class Administration:
         for rec, rec_hooks in ((record, hooks), (dlq_record, None)):
             self._add_queue(rec, rec_hooks)
             self.broker.committer.put(keys.queue_key(rec.name), rec.encode())
-        log.info("queue created queue=%s", name)
+        log.info("queue created", extra={"queue": name})
         return self.broker.committer.flushed()
 
     def delete_queue(self, name: str) -> asyncio.Future[None]:
@@ -114,7 +114,7 @@ class Administration:
         dlq = self.broker.queues.get(dlq_name) if dlq_name else None
         if dlq is not None:
             self._drop_queue(dlq)
-        log.info("queue deleted queue=%s", name)
+        log.info("queue deleted", extra={"queue": name})
         return self.broker.committer.flushed()
 
     def list_queues(self) -> list[Queue]:
@@ -310,7 +310,7 @@ class Administration:
         queue.limbo.clear()
         queue.delayed.clear()
         queue.counters.purged += count
-        log.info("queue purged queue=%s messages=%d", queue.name, count)
+        log.info("queue purged", extra={"queue": queue.name, "messages": count})
         return count, committer.flushed()
 
     # -- restore (recovery) ----------------------------------------------------------
@@ -321,7 +321,8 @@ class Administration:
             hooks = self._make_hooks(record)
         except InvalidArgument as exc:
             log.error(
-                "queue %s: stored script no longer loads, hooks disabled: %s", record.name, exc
+                "stored script no longer loads, hooks disabled",
+                extra={"queue": record.name, "error": str(exc)},
             )
             hooks = None
         return self._add_queue(record, hooks)
@@ -331,7 +332,10 @@ class Administration:
         try:
             change = validate_entry(key, value)
         except InvalidArgument as exc:
-            log.error("stored config %s is invalid, ignored for throttling: %s", key, exc)
+            log.error(
+                "stored config is invalid, ignored for throttling",
+                extra={"config_key": key, "error": str(exc)},
+            )
             return
         if change is not None:
             self._apply_throttle(change)

@@ -226,7 +226,7 @@ class Broker:
             raise Unavailable(f"{exc}; the broker is stopping") from None
 
     def _storage_failed(self, exc: StorageError) -> None:
-        log.critical("storage failure, stopping: %s", exc)
+        log.critical("storage failure, stopping", extra={"error": str(exc)})
         if self._on_storage_failure is not None:
             self._on_storage_failure(exc)
 

@@ -134,11 +134,13 @@ class Delivery:
                 break
             record = self.broker.read_record(ref.key)
             if record is None:  # cannot happen while the ready-after-commit rule holds
-                log.error("ready message has no stored record id=%s queue=%s", ref.id, queue.name)
+                log.error(
+                    "ready message has no stored record", extra={"id": ref.id, "queue": queue.name}
+                )
                 continue
             consumer.offer(grant(ref, consumer, now, timeout, len(record)), record)
             ring.served(consumer)
-            queue.count_delivery(ref.fairness_key)
+            queue.count_delivery(ref, now)
         if drr.newly_parked:
             self._schedule_throttle_wake(queue, drr.take_newly_parked())
 

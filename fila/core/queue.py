@@ -21,6 +21,7 @@ from fila.core.records import MessageRef
 from fila.core.stats import MAX_TRACKED_KEYS, QueueCounters
 from fila.lua.hooks import QueueHooks
 from fila.storage.committer import Committer
+from fila.telemetry.histogram import DELIVERY_LATENCY_BOUNDS_MS, FixedHistogram
 
 DLQ_SUFFIX = ".dlq"
 MAX_QUEUE_NAME = 255
@@ -72,6 +73,7 @@ class Queue:
         "drr",
         "hooks",
         "key_deliveries",
+        "latency",
         "leases",
         "limbo",
         "record",
@@ -106,6 +108,8 @@ class Queue:
         self.throttle_wakes: list[tuple[int, int, FairnessKey]] = []
         self.counters = QueueCounters()
         self.key_deliveries: dict[str, int] = {}
+        # Enqueue-to-first-delivery latency (ms), exported as fila.delivery.latency.
+        self.latency = FixedHistogram(DELIVERY_LATENCY_BOUNDS_MS)
 
     @property
     def name(self) -> str:
@@ -120,8 +124,12 @@ class Queue:
         """Ready + delayed messages, including those whose write is being committed."""
         return self.drr.ready_count + len(self.delayed) + len(self.limbo)
 
-    def count_delivery(self, fairness_key: str) -> None:
+    def count_delivery(self, ref: MessageRef, now_ms: int) -> None:
         self.counters.delivered += 1
+        if not ref.attempt_count:  # a first delivery: time since enqueue, from the UUIDv7
+            waited = now_ms - int.from_bytes(ref.key[1:7], "big")  # ids.enqueued_ms, inlined
+            self.latency.record(waited if waited > 0 else 0)
+        fairness_key = ref.fairness_key
         deliveries = self.key_deliveries
         count = deliveries.get(fairness_key)
         if count is not None:

@@ -116,17 +116,19 @@ def recover(broker: Broker) -> RecoveryReport:
     committer.flush_now()
     broker.mark_all_dirty()
     log.info(
-        "recovered queues=%d ready=%d leased=%d expired=%d delayed=%d",
-        report.queues,
-        report.ready,
-        report.leased,
-        report.expired,
-        report.delayed,
+        "recovered",
+        extra={
+            "queues": report.queues,
+            "ready": report.ready,
+            "leased": report.leased,
+            "expired": report.expired,
+            "delayed": report.delayed,
+        },
     )
     if report.orphans:
         log.error(
-            "%d stored messages name a queue that does not exist; they were left untouched "
+            "stored messages name a queue that does not exist; they were left untouched "
             "(a sign of damage: see 'Damaged data' in docs/operations.md)",
-            report.orphans,
+            extra={"messages": report.orphans},
         )
     return report

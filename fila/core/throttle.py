@@ -19,6 +19,11 @@ THROTTLE_PREFIX = "throttle."
 MIN_RATE = 0.001
 MAX_RATE = 1e9
 MAX_BURST = 1e9
+# Refusals are counted per throttle key (fila.throttle.limited) for at most this many
+# keys; refusals of keys beyond it are counted under OTHER_KEYS, so a million tenants
+# cannot make a million metric series.
+MAX_COUNTED_KEYS = 1000
+OTHER_KEYS = "other"
 
 
 class TokenBucket:
@@ -69,6 +74,8 @@ class Throttles:
     def __init__(self, clock: Clock) -> None:
         self._clock = clock
         self._buckets: dict[str, TokenBucket] = {}
+        # Deliveries held back for lack of a token, by the key that lacked it.
+        self.limited: dict[str, int] = {}
 
     def configure(self, key: str, rate: float, burst: float) -> None:
         """Creates a full bucket, or retunes an existing one keeping its tokens (capped)."""
@@ -101,11 +108,18 @@ class Throttles:
             if bucket is None:
                 continue
             if bucket.refill(now) < 1.0:
+                self._count_limited(key)
                 return False
             found.append(bucket)
         for bucket in found:
             bucket.tokens -= 1.0
         return True
+
+    def _count_limited(self, key: str) -> None:
+        limited = self.limited
+        if key not in limited and len(limited) >= MAX_COUNTED_KEYS:
+            key = OTHER_KEYS
+        limited[key] = limited.get(key, 0) + 1
 
     def seconds_until_available(self, keys: Iterable[str]) -> float:
         """How long until every bucketed key in `keys` holds a whole token."""

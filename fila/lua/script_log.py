@@ -16,7 +16,6 @@ were dropped.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ class ScriptLog:
     """The `print` of one queue's scripts."""
 
     def __init__(self, queue: str, rate: float = 10.0, burst: float = 20.0) -> None:
-        self._queue = json.dumps(queue)
+        self._queue = queue
         self._bucket = _bucket(rate, burst)
         self.dropped = 0
 
@@ -63,16 +62,12 @@ class ScriptLog:
         if not (self._bucket.take(now) and _ALL_QUEUES.take(now)):
             self.dropped += 1
             return
-        quoted = json.dumps(text[:PRINT_MAX_BYTES].decode("utf-8", "replace"), ensure_ascii=False)
-        name = hook.decode("ascii", "replace")
-        if self.dropped:
-            log.info(
-                "lua print queue=%s hook=%s text=%s dropped_before=%d",
-                self._queue,
-                name,
-                quoted,
-                self.dropped,
-            )
-            self.dropped = 0
-        else:
-            log.info("lua print queue=%s hook=%s text=%s", self._queue, name, quoted)
+        # fields, which the log formatter quotes and escapes: the text cannot forge a line
+        fields = {
+            "queue": self._queue,
+            "hook": hook.decode("ascii", "replace"),
+            "text": text[:PRINT_MAX_BYTES].decode("utf-8", "replace"),
+            "dropped_before": self.dropped or None,
+        }
+        self.dropped = 0
+        log.info("lua print", extra=fields)

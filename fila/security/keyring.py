@@ -191,12 +191,14 @@ class Keyring:
         )
         self._add(_KeyState(record, ()))
         log.info(
-            "api key created key_id=%s name=%s superadmin=%s expires_at_ms=%d by=%s",
-            key_id,
-            name,
-            is_superadmin,
-            expires_at_ms,
-            _who(caller),
+            "api key created",
+            extra={
+                "key_id": key_id,
+                "key_name": name,
+                "superadmin": is_superadmin,
+                "expires_at_ms": expires_at_ms,
+                "by": _who(caller),
+            },
         )
         return record, plaintext, self._store.save_key(record)
 
@@ -206,7 +208,10 @@ class Keyring:
         del self._by_id[key_id]
         del self._by_digest[state.record.digest]
         self._end(state, Unauthenticated("API key revoked"))
-        log.info("api key revoked key_id=%s name=%s by=%s", key_id, state.record.name, _who(caller))
+        log.info(
+            "api key revoked",
+            extra={"key_id": key_id, "key_name": state.record.name, "by": _who(caller)},
+        )
         return self._store.delete_key(key_id)
 
     def list_keys(self, caller: Caller | None) -> list[ApiKeyRecord]:
@@ -236,10 +241,12 @@ class Keyring:
                     )
         state.permissions = permissions
         log.info(
-            "acl set key_id=%s permissions=%s by=%s",
-            key_id,
-            ",".join(map(str, permissions)) or "-",
-            _who(caller),
+            "acl set",
+            extra={
+                "key_id": key_id,
+                "permissions": ",".join(map(str, permissions)) or "-",
+                "by": _who(caller),
+            },
         )
         return self._store.save_acl(key_id, permissions)
 

@@ -62,7 +62,9 @@ class LocalKeyStore:
                 records.append(ApiKeyRecord.decode(key_id, value))
             except (ValueError, KeyError, TypeError) as exc:
                 # Fail closed: a key that cannot be read cannot authenticate.
-                log.error("unreadable API key record ignored key_id=%s error=%s", key_id, exc)
+                log.error(
+                    "unreadable API key record ignored", extra={"key_id": key_id, "error": str(exc)}
+                )
         acls = {}
         for key, value in self._storage.scan(keys.ACL):
             key_id = keys.key_id_from_key(key)
@@ -70,7 +72,9 @@ class LocalKeyStore:
                 acls[key_id] = _decode_acl(value)
             except (ValueError, TypeError, InvalidArgument) as exc:
                 # Fail closed: the key keeps no permissions rather than guessed ones.
-                log.error("unreadable ACL record ignored key_id=%s error=%s", key_id, exc)
+                log.error(
+                    "unreadable ACL record ignored", extra={"key_id": key_id, "error": str(exc)}
+                )
         return StoredKeys(records, acls)
 
     def save_key(self, record: ApiKeyRecord) -> Awaitable[None]:

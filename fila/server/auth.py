@@ -52,7 +52,7 @@ def load_keyring(storage: Storage, committer: Committer, auth: AuthSection) -> K
     """The server's keyring with every stored key loaded (called once at startup)."""
     keyring = Keyring(LocalKeyStore(storage, committer), SystemClock(), auth.bootstrap_apikey)
     count = keyring.load()
-    log.info("api keys loaded count=%d auth=%s", count, keyring.auth_enabled)
+    log.info("api keys loaded", extra={"count": count, "auth": keyring.auth_enabled})
     return keyring
 
 
@@ -108,14 +108,15 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             verdict = guard.failed(peer_host(peer))
             if verdict.log:
                 log.warning(
-                    "auth failed peer=%s reason=%s key_fingerprint=%s method=%s delay_ms=%d "
-                    "unlogged_before=%d",
-                    peer,
-                    refusal.name.lower(),
-                    key_print,
-                    method,
-                    verdict.delay_s * 1000,
-                    verdict.unlogged_before,
+                    "auth failed",
+                    extra={
+                        "peer": peer,
+                        "reason": refusal.name.lower(),
+                        "key_fingerprint": key_print,
+                        "method": method,
+                        "delay_ms": int(verdict.delay_s * 1000),
+                        "unlogged_before": verdict.unlogged_before,
+                    },
                 )
             if verdict.delay_s:
                 try:

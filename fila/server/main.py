@@ -18,8 +18,10 @@ import os
 import signal
 import ssl
 import sys
+from collections.abc import Mapping
 from enum import IntEnum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from grpc_health.v1 import _async as health_aio
@@ -38,6 +40,10 @@ from fila.server.memory import HeapTrimmer
 from fila.storage.backend import CorruptionError, RocksStorage, StorageError
 from fila.storage.committer import Committer
 from fila.storage.salvage import salvage
+from fila.telemetry.logs import configure_logging
+
+if TYPE_CHECKING:
+    from fila.telemetry.exporters import Telemetry
 
 log = logging.getLogger("fila.server")
 
@@ -159,7 +165,16 @@ async def serve(config: Config) -> ExitCode:
             ExitCode.DATA_DAMAGED,
         ) from None
 
-    interceptors = auth_interceptors(keyring)
+    try:
+        telemetry = start_telemetry(config, broker, committer)
+    except StartupError:
+        committer.close()
+        storage.close()
+        raise
+
+    # tracing first, so refused calls are traced too
+    interceptors = list(telemetry.interceptors) if telemetry is not None else []
+    interceptors += auth_interceptors(keyring)
     server = grpc.aio.server(
         options=server_options(config, max_connections), interceptors=interceptors
     )
@@ -182,6 +197,8 @@ async def serve(config: Config) -> ExitCode:
         else:
             server.add_secure_port(addr, credentials)
     except RuntimeError:
+        if telemetry is not None:
+            telemetry.shutdown()
         committer.close()
         storage.close()
         raise StartupError(
@@ -197,18 +214,17 @@ async def serve(config: Config) -> ExitCode:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     log.info(
-        "listening addr=%s data_dir=%s persist_mode=%s tls=%s auth=%s max_connections=%d "
-        "version=%s",
-        addr,
-        data_dir,
-        config.storage.persist_mode,
-        credentials is not None,
-        bool(config.auth.bootstrap_apikey),
-        max_connections,
-        __version__,
+        "listening",
+        extra={
+            "addr": addr,
+            "data_dir": str(data_dir),
+            "persist_mode": config.storage.persist_mode,
+            "tls": credentials is not None,
+            "auth": bool(config.auth.bootstrap_apikey),
+            "max_connections": max_connections,
+            "version": __version__,
+        },
     )
-    if config.telemetry.otlp_endpoint or config.telemetry.prometheus_listen:
-        log.warning("telemetry export is not available in this release; [telemetry] is ignored")
     await stop.wait()
 
     log.info("shutting down")
@@ -217,40 +233,61 @@ async def serve(config: Config) -> ExitCode:
         broker.close()
     await server.stop(config.server.shutdown_grace_ms / 1000)
     trimmer.stop()
+    if telemetry is not None:
+        telemetry.shutdown()
     if not failure:
         committer.flush_now()
     committer.close()
     try:
         storage.close()
     except StorageError as exc:  # the failure that stopped us may stop the close too
-        log.error("closing storage: %s", exc)
+        log.error("closing storage failed", extra={"error": str(exc)})
     log.info(
-        "stopped batches_written=%d ops_written=%d fsyncs=%d",
-        committer.batches_written,
-        committer.ops_written,
-        committer.syncs,
+        "stopped",
+        extra={
+            "batches_written": committer.batches_written,
+            "ops_written": committer.ops_written,
+            "fsyncs": committer.syncs,
+        },
     )
     if failure:
-        log.critical("stopped because storage failed: %s", failure[0])
+        log.critical("stopped because storage failed", extra={"error": str(failure[0])})
         return ExitCode.STORAGE_FAILED
     return ExitCode.OK
 
 
-def _log_level(env: dict[str, str] | os._Environ[str]) -> str:
-    level = env.get("FILA_LOG_LEVEL", "INFO").upper()
-    if level not in LOG_LEVELS:
+def start_telemetry(config: Config, broker: Broker, committer: Committer) -> Telemetry | None:
+    """The exporters `[telemetry]` asks for; with none, None, and OpenTelemetry is not
+    even imported."""
+    section = config.telemetry
+    if not (section.otlp_endpoint or section.prometheus_listen):
+        return None
+    from fila.telemetry.exporters import Telemetry, TelemetryStartError
+
+    try:
+        telemetry = Telemetry.start(section, broker, committer, config.server.max_queues)
+    except TelemetryStartError as exc:
+        raise StartupError(str(exc)) from None
+    log.info(
+        "telemetry on",
+        extra={
+            "prometheus_listen": section.prometheus_listen or None,
+            "otlp_endpoint": section.otlp_endpoint or None,
+            "metrics_interval_ms": section.metrics_interval_ms,
+            "service_name": section.service_name,
+        },
+    )
+    return telemetry
+
+
+def _log_level(config: Config, env: Mapping[str, str]) -> str:
+    """`telemetry.log_level`, or FILA_LOG_LEVEL (any case) when set."""
+    level = env.get("FILA_LOG_LEVEL", "") or config.telemetry.log_level
+    if level.upper() not in LOG_LEVELS:
         raise ConfigError(
             f'FILA_LOG_LEVEL must be one of {", ".join(LOG_LEVELS)}, got "{level[:40]}"'
         )
-    return level
-
-
-def _configure_logging(level: str) -> None:
-    logging.basicConfig(
-        level=level,
-        format="%(asctime)s level=%(levelname)s logger=%(name)s %(message)s",
-        stream=sys.stderr,
-    )
+    return level.upper()
 
 
 def _fail(message: str, code: ExitCode) -> int:
@@ -288,16 +325,16 @@ def main(argv: list[str] | None = None) -> int:
         return ExitCode.OK
     try:
         config, source = load_config(args.config, os.environ)
-        level = _log_level(os.environ)
+        level = _log_level(config, os.environ)
     except ConfigError as exc:
         return _fail(str(exc), ExitCode.BAD_CONFIG)
     if args.check_config:
         print(f"fila-server: configuration OK ({source or 'built-in defaults'})")
         return ExitCode.OK
-    _configure_logging(level)
+    configure_logging(level, config.telemetry.log_format)
     if args.repair:
         return _repair(Path(config.storage.data_dir))
-    log.info("config source=%s", source or "built-in defaults")
+    log.info("config loaded", extra={"source": str(source or "built-in defaults")})
     try:
         return asyncio.run(serve(config))
     except StartupError as exc:

@@ -61,10 +61,12 @@ class BadRequestLog:
             self._last.clear()
         self._last[cause] = (now, 0)
         log.warning(
-            "refused undecodable request method=%s reason=%s suppressed_since_last=%d",
-            method,
-            bad.reason[:200],
-            suppressed,
+            "refused undecodable request",
+            extra={
+                "method": method,
+                "reason": bad.reason[:200],
+                "suppressed_since_last": suppressed,
+            },
         )
 
 

@@ -26,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from fila.config import PersistMode
 from fila.storage.backend import Storage, StorageError
+from fila.telemetry.histogram import FSYNC_BOUNDS_S, FixedHistogram
 
 log = logging.getLogger("fila.storage")
 
@@ -60,6 +62,9 @@ class Committer:
         self.batches_written = 0
         self.ops_written = 0
         self.syncs = 0
+        # Seconds each WAL fsync took (fila.storage.fsync.duration), recorded where the
+        # fsync runs (the fsync thread; the loop at recovery and shutdown).
+        self.fsync_seconds = FixedHistogram(FSYNC_BOUNDS_S)
 
     def put(self, key: bytes, value: bytes) -> None:
         self._batch.put(key, value)
@@ -147,10 +152,13 @@ class Committer:
         done.add_done_callback(lambda f: self._sync_done(covered, f.result()))
 
     def _fsync(self) -> StorageError | None:
+        started = time.perf_counter()
         try:
             self._storage.sync()
         except StorageError as exc:
             return exc
+        finally:
+            self.fsync_seconds.record(time.perf_counter() - started)
         return None
 
     def _sync_done(self, covered: list[_Waiters], error: StorageError | None) -> None:
@@ -176,7 +184,7 @@ class Committer:
     def _fail(self, exc: StorageError) -> None:
         if self._failed is None:
             self._failed = exc
-            log.critical("storage write failed, stopping: %s", exc)
+            log.critical("storage write failed, stopping", extra={"error": str(exc)})
             self._on_failure(self._failed)
 
 

@@ -1,0 +1,255 @@
+"""The broker's metrics (SPEC 5), read from the broker's own counters at collection time.
+
+Nothing here runs on the hot path. Counters and gauges are OpenTelemetry observable
+instruments whose callbacks read what the core already counts (`QueueCounters`,
+`HookCounters`, `Throttles.limited`, queue sizes) when a reader collects: on a
+Prometheus scrape, or every `metrics_interval_ms` for OTLP. Histograms are counted in
+fixed buckets by the core (`fila.telemetry.histogram`) and turned into OpenTelemetry
+histogram points here, because the SDK has no asynchronous histogram instrument and
+recording each delivery into a synchronous one would cost microseconds per message.
+`exporters.py` merges those points into each collection (`with_histograms`).
+
+Collection runs on the exporter's thread (the Prometheus HTTP server's, or the OTLP
+reader's), not on the event loop. It reads only, and takes copies of the broker's
+dictionaries with single C-level calls (`list(d.values())`, `d.copy()`), which the
+GIL makes atomic, so a queue created meanwhile cannot break an iteration. Values read
+this way may be a moment apart from each other; monitoring does not need better.
+
+Names, units and attributes are the contract with dashboards and alerts
+(docs/operations.md, deploy/grafana/): change them only together.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from operator import attrgetter
+from typing import TYPE_CHECKING
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+from opentelemetry.sdk.metrics.export import (
+    AggregationTemporality,
+    Histogram,
+    HistogramDataPoint,
+    Metric,
+    MetricsData,
+    ResourceMetrics,
+    ScopeMetrics,
+)
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+from fila.core.queue import Queue
+from fila.telemetry.histogram import HistogramSnapshot
+
+if TYPE_CHECKING:
+    from fila.core.broker import Broker
+    from fila.storage.committer import Committer
+
+# Per-queue event counters: instrument name -> the `QueueCounters` field it reads.
+MESSAGE_COUNTERS: dict[str, tuple[str, str]] = {
+    "fila.messages.enqueued": ("enqueued", "Messages stored by Enqueue and the batch paths"),
+    "fila.messages.delivered": ("delivered", "Messages leased to a consumer (every attempt)"),
+    "fila.messages.acked": ("acked", "Messages acknowledged (deleted)"),
+    "fila.messages.nacked": ("nacked", "Negative acknowledgements"),
+    "fila.messages.expired": (
+        "expired",
+        "Leases that ended without a settlement (visibility timeout, or a StreamConsume "
+        "stream that closed holding the message)",
+    ),
+    "fila.messages.dead_lettered": ("dead_lettered", "Messages moved to the queue's DLQ"),
+    "fila.messages.redriven": ("redriven", "Messages moved back into this queue by Redrive"),
+}
+
+# Per-queue gauges: instrument name -> (unit, description, reader).
+QUEUE_GAUGES: dict[str, tuple[str, str, Callable[[Queue], int]]] = {
+    "fila.queue.depth": (
+        "{message}",
+        "Ready and delayed messages (GetStats depth)",
+        lambda q: q.depth,
+    ),
+    "fila.queue.in_flight": (
+        "{message}",
+        "Leased messages awaiting ack, nack or expiry",
+        lambda q: len(q.leases),
+    ),
+    "fila.queue.consumers": (
+        "{consumer}",
+        "Open Consume and StreamConsume streams",
+        lambda q: len(q.consumers),
+    ),
+    "fila.queue.fairness_keys": (
+        "{key}",
+        "Fairness keys with ready messages",
+        lambda q: len(q.drr.keys),
+    ),
+}
+
+LUA_EXECUTIONS = "fila.lua.executions"
+THROTTLE_LIMITED = "fila.throttle.limited"
+DELIVERY_LATENCY = "fila.delivery.latency"
+FSYNC_DURATION = "fila.storage.fsync.duration"
+LUA_OUTCOMES = ("ok", "failed", "bypassed")
+
+SCOPE = "fila"
+
+
+def scope(version: str) -> InstrumentationScope:
+    return InstrumentationScope(SCOPE, version)
+
+
+def cardinality_limit(max_queues: int, max_throttle_keys: int) -> int:
+    """Enough series for every queue (and its DLQ) and counted throttle key, so the SDK
+    never folds real series into its `otel.metric.overflow` point (its default is 2,000)."""
+    return max(2000, 2 * max_queues * len(LUA_OUTCOMES) * 2 + max_throttle_keys + 1)
+
+
+class BrokerMetrics:
+    """The broker's instruments (`register`) and histogram points (`with_histograms`)."""
+
+    def __init__(self, broker: Broker, committer: Committer) -> None:
+        self._broker = broker
+        self._committer = committer
+        self._started_ns = time.time_ns()
+
+    def register(self, meter: Meter) -> None:
+        """Creates the observable instruments; their callbacks run at each collection."""
+        for name, (field, description) in MESSAGE_COUNTERS.items():
+            meter.create_observable_counter(
+                name, [self._counter_callback(field)], unit="{message}", description=description
+            )
+        for name, (unit, description, read) in QUEUE_GAUGES.items():
+            meter.create_observable_gauge(
+                name, [self._gauge_callback(read)], unit=unit, description=description
+            )
+        meter.create_observable_counter(
+            LUA_EXECUTIONS,
+            [self._lua_executions],
+            unit="{execution}",
+            description="Lua hook runs by queue, hook (on_enqueue, on_failure) and outcome "
+            "(ok; failed: error, budget or bad result, defaults used; bypassed: circuit "
+            "breaker open, defaults used)",
+        )
+        meter.create_observable_counter(
+            THROTTLE_LIMITED,
+            [self._throttle_limited],
+            unit="{delivery}",
+            description="Deliveries held back because a throttle key had no token, by that "
+            "key (keys past the first 1,000 seen are counted as throttle_key=other)",
+        )
+
+    def _queues(self) -> list[Queue]:
+        return list(self._broker.queues.values())
+
+    def _counter_callback(self, field: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        read = attrgetter(field)
+
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(read(q.counters), {"queue": q.name}) for q in self._queues()]
+
+        return observe
+
+    def _gauge_callback(
+        self, read: Callable[[Queue], int]
+    ) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(_options: CallbackOptions) -> Iterable[Observation]:
+            return [Observation(read(q), {"queue": q.name}) for q in self._queues()]
+
+        return observe
+
+    def _lua_executions(self, _options: CallbackOptions) -> Iterable[Observation]:
+        observations: list[Observation] = []
+        for queue in self._queues():
+            hooks = queue.hooks
+            if hooks is None:
+                continue
+            for hook, counters in hooks.counters().items():
+                base = {"queue": queue.name, "hook": hook}
+                observations.append(Observation(counters.ok, {**base, "outcome": "ok"}))
+                observations.append(Observation(counters.failed, {**base, "outcome": "failed"}))
+                observations.append(Observation(counters.bypassed, {**base, "outcome": "bypassed"}))
+        return observations
+
+    def _throttle_limited(self, _options: CallbackOptions) -> Iterable[Observation]:
+        limited = self._broker.throttles.limited.copy()
+        return [Observation(count, {"throttle_key": key}) for key, count in limited.items()]
+
+    # -- histograms ------------------------------------------------------------------
+
+    def histograms(self) -> list[Metric]:
+        """`fila.delivery.latency` per queue and `fila.storage.fsync.duration`, cumulative."""
+        now = time.time_ns()
+        started = self._started_ns
+        latency = [
+            _point(
+                queue.latency.snapshot(),
+                {"queue": queue.name},
+                # A queue deleted and created again starts counting anew.
+                max(started, queue.record.created_at_ms * 1_000_000),
+                now,
+                divisor=1000,  # recorded in ms, exported in seconds
+            )
+            for queue in self._queues()
+        ]
+        fsync = [_point(self._committer.fsync_seconds.snapshot(), {}, started, now)]
+        return [
+            _histogram(
+                DELIVERY_LATENCY,
+                "Time from enqueue to first delivery (from the message id's UUIDv7 "
+                "timestamp; includes any delay_ms; retries are not counted)",
+                latency,
+            ),
+            _histogram(FSYNC_DURATION, "Duration of each write-ahead-log fsync", fsync),
+        ]
+
+    def with_histograms(self, data: MetricsData, resource: Resource) -> MetricsData:
+        """`data` (one collection) with the histograms added to Fila's scope."""
+        extra = self.histograms()
+        resources = list(data.resource_metrics) or [ResourceMetrics(resource, [], "")]
+        first = resources[0]
+        scopes = list(first.scope_metrics)
+        for index, scope_metrics in enumerate(scopes):
+            if scope_metrics.scope.name == SCOPE:
+                scopes[index] = ScopeMetrics(
+                    scope_metrics.scope,
+                    [*scope_metrics.metrics, *extra],
+                    scope_metrics.schema_url,
+                )
+                break
+        else:
+            scopes.append(ScopeMetrics(InstrumentationScope(SCOPE), extra, ""))
+        resources[0] = ResourceMetrics(first.resource, scopes, first.schema_url)
+        return MetricsData(resources)
+
+
+def _point(
+    snap: HistogramSnapshot,
+    attributes: dict[str, str],
+    start_ns: int,
+    now_ns: int,
+    *,
+    divisor: float = 1,
+) -> HistogramDataPoint:
+    return HistogramDataPoint(
+        attributes=attributes,
+        start_time_unix_nano=start_ns,
+        time_unix_nano=now_ns,
+        count=snap.count,
+        sum=snap.total / divisor,
+        bucket_counts=snap.counts,
+        explicit_bounds=[bound / divisor for bound in snap.bounds],
+        # Not tracked (see fila.telemetry.histogram); None leaves them unset in OTLP.
+        min=None,  # type: ignore[arg-type]
+        max=None,  # type: ignore[arg-type]
+    )
+
+
+def _histogram(name: str, description: str, points: Sequence[HistogramDataPoint]) -> Metric:
+    return Metric(
+        name=name,
+        description=description,
+        unit="s",
+        data=Histogram(
+            data_points=points, aggregation_temporality=AggregationTemporality.CUMULATIVE
+        ),
+    )
