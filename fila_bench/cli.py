@@ -92,6 +92,14 @@ def main() -> None:
     help="Pin brokers and the echo server to CPUs S and this load generator to C "
     "(auto: the last CPU for servers, the rest for the load generator).",
 )
+@click.option(
+    "--telemetry-scrape",
+    "telemetry_scrape_s",
+    type=click.FloatRange(min=0.1),
+    metavar="SECONDS",
+    help="Run every broker with a Prometheus endpoint and scrape it this often, to "
+    "compare against a run without (telemetry is off by default).",
+)
 @click.option("--list", "list_only", is_flag=True, help="List benchmarks and exit.")
 def system(
     quick: bool,
@@ -102,6 +110,7 @@ def system(
     workdir: Path | None,
     charts_dir: Path | None,
     cpus: str,
+    telemetry_scrape_s: float | None,
     list_only: bool,
 ) -> None:
     """Start real brokers and benchmark them through fila_sdk (SPEC 8)."""
@@ -121,6 +130,8 @@ def system(
         profile = dataclasses.replace(profile, measure_s=measure_seconds)
     if warmup_seconds is not None:
         profile = dataclasses.replace(profile, warmup_s=warmup_seconds)
+    if telemetry_scrape_s is not None:
+        profile = dataclasses.replace(profile, telemetry_scrape_s=telemetry_scrape_s)
 
     _warn_if_busy(console)
     if workdir is not None:

@@ -49,6 +49,9 @@ class Profile:
     batch_drain_messages: int
     # Upper bound on any drain or preload; past it the benchmark fails.
     deadline_s: float
+    # `--telemetry-scrape`: every broker serves Prometheus and is scraped this often
+    # (None: telemetry off, the default), to measure what telemetry costs.
+    telemetry_scrape_s: float | None = None
 
 
 QUICK = Profile(

@@ -93,7 +93,11 @@ def run_all(
     report = Report(
         commit=git_commit(),
         timestamp=now_iso(),
-        extra={"profile": profile.name, "environment": environment()},
+        extra={
+            "profile": profile.name,
+            "telemetry_scrape_s": profile.telemetry_scrape_s,
+            "environment": environment(),
+        },
     )
     report.extra["environment"]["cpu_pinning"] = _pin_self(placement)
     if report.extra["environment"]["cpu_pinning"] == "refused":

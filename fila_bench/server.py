@@ -9,18 +9,21 @@ directory, so the broker is measured without any hook inside it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import re
 import shutil
 import tempfile
+import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fila.config import PersistMode
-from fila.server.process import ServerProcess
+from fila.server.process import ServerProcess, free_port
 from fila_bench.case import Context
 from fila_bench.cpus import pin_process
+from fila_bench.load import background
 
 
 @asynccontextmanager
@@ -36,17 +39,51 @@ async def broker(
     broker's log and config stay beside it.
     """
     root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=ctx.workdir))
+    scrape_s = ctx.profile.telemetry_scrape_s
+    metrics_port = free_port() if scrape_s is not None else None
+    if metrics_port is not None:
+        config_toml = _with_prometheus(config_toml, metrics_port)
     server = ServerProcess(root / "data", config_toml=config_toml, persist_mode=persist_mode)
     await asyncio.to_thread(server.start)
     try:
         if ctx.placement is not None:
             # Once serving: RocksDB's and gRPC's threads exist and are pinned with it.
             pin_process(server.pid, ctx.placement.server)
-        yield server
+        if metrics_port is None or scrape_s is None:
+            yield server
+        else:
+            async with background(_scrape(metrics_port, scrape_s)):
+                yield server
     finally:
         if server.running:
             await asyncio.to_thread(server.stop)
         await asyncio.to_thread(shutil.rmtree, server.data_dir, True)
+
+
+def _with_prometheus(config_toml: str | None, port: int) -> str:
+    """The case's config plus a Prometheus endpoint (no case configures telemetry)."""
+    config_toml = config_toml or ""
+    if "[telemetry]" in config_toml:
+        raise ValueError(
+            "a case's config already has [telemetry]; --telemetry-scrape cannot add it"
+        )
+    return f'{config_toml}\n[telemetry]\nprometheus_listen = "127.0.0.1:{port}"\n'
+
+
+async def _scrape(port: int, every_s: float) -> None:
+    """Reads /metrics every `every_s` seconds, as a Prometheus server would, so each
+    case pays for its collections; the first as soon as the endpoint answers."""
+    url = f"http://127.0.0.1:{port}/metrics"
+
+    def fetch() -> None:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            response.read()
+
+    while True:
+        # OSError: the broker is stopping, or its endpoint is not up yet; try next time.
+        with contextlib.suppress(OSError):
+            await asyncio.to_thread(fetch)
+        await asyncio.sleep(every_s)
 
 
 def rss_mib(pid: int) -> float:
