@@ -9,7 +9,6 @@ directory, so the broker is measured without any hook inside it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import re
 import shutil
@@ -72,17 +71,23 @@ def _with_prometheus(config_toml: str | None, port: int) -> str:
 
 async def _scrape(port: int, every_s: float) -> None:
     """Reads /metrics every `every_s` seconds, as a Prometheus server would, so each
-    case pays for its collections; the first as soon as the endpoint answers."""
+    case pays for its collections. Until the endpoint first answers a failure is
+    retried; after that it fails the case (the scraping is cancelled before the
+    broker stops), so a run cannot claim telemetry was on when nothing was read."""
     url = f"http://127.0.0.1:{port}/metrics"
 
     def fetch() -> None:
         with urllib.request.urlopen(url, timeout=10) as response:
             response.read()
 
+    answered = False
     while True:
-        # OSError: the broker is stopping, or its endpoint is not up yet; try next time.
-        with contextlib.suppress(OSError):
+        try:
             await asyncio.to_thread(fetch)
+            answered = True
+        except OSError:
+            if answered:
+                raise
         await asyncio.sleep(every_s)
 
 
