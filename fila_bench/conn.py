@@ -17,7 +17,7 @@ and nothing else).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Protocol
 
 import grpc
@@ -73,12 +73,12 @@ class UnaryConnection:
         await self._channel.close(None)
 
 
-def open_connections(addr: str, count: int, *, dedicated: bool) -> list[Connection]:
+def open_connections(addr: str, count: int, *, dedicated: bool) -> list[AsyncClient]:
     """`count` connections: separate TCP connections if `dedicated`, else SDK clients."""
     if dedicated:
         return [AsyncClient(addr, channel_options=_DEDICATED_OPTIONS) for _ in range(count)]
     return [AsyncClient(addr) for _ in range(count)]
 
 
-async def close_all(connections: list[Connection]) -> None:
+async def close_all(connections: Sequence[Connection]) -> None:
     await asyncio.gather(*(c.close() for c in connections))

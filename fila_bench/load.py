@@ -14,9 +14,18 @@ loses or duplicates messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections import Counter
-from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Mapping, Sequence
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Collection,
+    Coroutine,
+    Mapping,
+    Sequence,
+)
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -25,7 +34,7 @@ from hdrh.histogram import HdrHistogram
 
 from fila_bench.conn import Connection
 from fila_bench.results import Result
-from fila_sdk import AsyncClient, Message
+from fila_sdk import AsyncClient, Message, Worker
 
 PAYLOAD_1KB = b"x" * 1024
 HeadersFor = Callable[[int], Mapping[str, str] | None]
@@ -177,6 +186,56 @@ async def consume_until(
     if not all_open_at:  # fewer messages than workers: time from the first delivery
         all_open_at, acked_before_open = first_at, 0
     return DrainRun(finished_at - all_open_at, limit - acked_before_open, limit, deliveries)
+
+
+async def worker_drain(
+    clients: Sequence[AsyncClient], queue: str, limit: int, *, deadline_s: float
+) -> DrainRun:
+    """One SDK `Worker` per client, one message in flight each (`concurrency=1`), until
+    `limit` messages were handled; each is acked on the worker's stream when its
+    handler returns, as a user of the SDK drains a queue.
+
+    The window is `consume_until`'s: it opens once every worker has handled its
+    first message and closes at the `limit`-th. The workers then stop gracefully,
+    settling what they handled, so the caller's emptiness check sees every ack.
+    """
+    deliveries: list[Message] = []
+    reached = asyncio.Event()
+    finished_at = first_at = all_open_at = 0.0
+    started = 0
+    handled_before_open = 0
+
+    def handler() -> Callable[[Message], Awaitable[None]]:
+        first = True
+
+        async def handle(msg: Message) -> None:
+            nonlocal first, first_at, started, all_open_at, handled_before_open, finished_at
+            if first:
+                first = False
+                started += 1
+                now = time.perf_counter()
+                first_at = first_at or now
+                if started == len(clients) and not reached.is_set():
+                    all_open_at, handled_before_open = now, len(deliveries)
+            deliveries.append(msg)
+            if len(deliveries) == limit:
+                finished_at = time.perf_counter()
+                reached.set()
+
+        return handle
+
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients:
+            await stack.enter_async_context(Worker(client, queue, handler(), concurrency=1))
+        try:
+            await asyncio.wait_for(reached.wait(), deadline_s)
+        except TimeoutError:
+            raise CheckFailed(
+                f"queue {queue}: {len(deliveries)}/{limit} handled within {deadline_s:g}s"
+            ) from None
+    if not all_open_at:  # fewer messages than workers: time from the first delivery
+        all_open_at, handled_before_open = first_at, 0
+    return DrainRun(finished_at - all_open_at, limit - handled_before_open, limit, deliveries)
 
 
 async def run_until(

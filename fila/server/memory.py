@@ -4,9 +4,17 @@ glibc keeps memory a process freed in its arenas for reuse, and returns it only
 from the top of the heap: after a burst (a backlog drained, stalled streams
 cancelled, a large batch decoded) the broker's RSS stays where the burst left it.
 Measured here: 218 MiB holding a million ready messages after ingesting them, 140
-MiB after `malloc_trim(0)`. A thread of its own calls it every `interval_s`;
-ctypes releases the GIL for the call, so the event loop keeps serving. Where the
-C library is not glibc there is no `malloc_trim`, and this does nothing.
+MiB after `malloc_trim(0)`. A thread of its own looks every `interval_s`;
+ctypes releases the GIL for the call, so the event loop keeps serving.
+
+A trim is not free: it walks the heap's free chunks holding the arena's lock, so
+every allocation waits (measured: 14 ms on a heap fragmented by 150 MiB of freed
+1 KB blocks, 0.2 ms on a tidy one). So it trims only while the resident size (read
+from /proc/self/statm, which costs microseconds) is `growth_bytes` above the lowest
+a trim has left it, and a trim that gives back little doubles the wait before the
+next (up to `MAX_BACKOFF_S`): memory still in use (a backlog that is still there)
+costs a stall every half hour at most, memory freed later is still returned. Where
+the C library is not glibc there is no `malloc_trim`, and this does nothing.
 """
 
 from __future__ import annotations
@@ -14,12 +22,25 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
+import os
 import threading
 from collections.abc import Callable
 
 log = logging.getLogger("fila.server")
 
 TRIM_INTERVAL_S = 30.0
+TRIM_GROWTH_BYTES = 64 * 1024 * 1024
+MAX_BACKOFF_S = 1800.0
+_PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
+
+
+def resident_bytes() -> int:
+    """This process's resident set size, from /proc/self/statm (0 where there is none)."""
+    try:
+        with open("/proc/self/statm", "rb") as statm:
+            return int(statm.read().split()[1]) * _PAGE_BYTES
+    except OSError:
+        return 0
 
 
 def _malloc_trim() -> Callable[[int], int] | None:
@@ -39,8 +60,11 @@ def _malloc_trim() -> Callable[[int], int] | None:
 class HeapTrimmer:
     """Owned by `serve`: `start()` after startup, `stop()` at shutdown."""
 
-    def __init__(self, interval_s: float = TRIM_INTERVAL_S) -> None:
+    def __init__(
+        self, interval_s: float = TRIM_INTERVAL_S, growth_bytes: int = TRIM_GROWTH_BYTES
+    ) -> None:
         self._interval_s = interval_s
+        self._growth_bytes = growth_bytes
         self._trim = _malloc_trim()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fila-heap-trim", daemon=True)
@@ -57,5 +81,15 @@ class HeapTrimmer:
     def _run(self) -> None:
         trim = self._trim
         assert trim is not None
-        while not self._stop.wait(self._interval_s):
+        floor = resident_bytes()
+        wait_s = self._interval_s
+        while not self._stop.wait(wait_s):
+            before = resident_bytes()
+            if before - floor < self._growth_bytes:
+                wait_s = self._interval_s
+                continue
             trim(0)
+            after = resident_bytes()
+            floor = min(floor, after)
+            gave_back = before - after >= self._growth_bytes // 4
+            wait_s = self._interval_s if gave_back else min(2 * wait_s, MAX_BACKOFF_S)

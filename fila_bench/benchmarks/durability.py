@@ -3,6 +3,9 @@
 The seed methodology: N producers, each on its own TCP connection with one enqueue
 in flight, for a fixed window; then N workers on those connections consume and ack
 one message at a time until the queue is empty, and the timer stops at the last ack.
+Both go through the SDK as its users would: `enqueue` rides a `StreamEnqueue` stream,
+and each worker is a `fila_sdk.Worker` with `concurrency=1`, acking on its
+`StreamConsume` stream, so one message in flight costs frames, not calls.
 Every id answered by an enqueue must be delivered exactly once (conservation), and
 the broker must report the queue empty afterwards. In sync mode every answer waits
 for an fsync; group commit is what should make throughput grow with N. Messages are
@@ -15,7 +18,7 @@ from fila.config import PersistMode
 from fila_bench.case import Case, Context
 from fila_bench.conn import close_all, open_connections
 from fila_bench.echo import PAYLOAD_256B
-from fila_bench.load import check_empty, check_exactly_once, consume_until, enqueue_for
+from fila_bench.load import check_empty, check_exactly_once, enqueue_for, worker_drain
 from fila_bench.results import Result, throughput
 from fila_bench.server import broker
 from fila_sdk import AsyncClient
@@ -48,9 +51,7 @@ def _case(mode: PersistMode, connections: int) -> Case:
                     payload=PAYLOAD,
                 )
                 ctx.status(f"drain {len(enq.ids):,}, {connections} connections")
-                drain = await consume_until(
-                    conns, connections, QUEUE, len(enq.ids), deadline_s=p.deadline_s
-                )
+                drain = await worker_drain(conns, QUEUE, len(enq.ids), deadline_s=p.deadline_s)
             finally:
                 await close_all(conns)
             check_exactly_once(name, enq.ids, [m.id for m in drain.deliveries])

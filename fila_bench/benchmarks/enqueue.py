@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from fila.config import PersistMode
 from fila_bench.case import Case, Context
-from fila_bench.conn import Connection, close_all, open_connections
+from fila_bench.conn import close_all, open_connections
 from fila_bench.load import enqueue_for
 from fila_bench.results import Result, throughput
 from fila_bench.server import broker
@@ -29,7 +29,7 @@ def _case(mode: PersistMode, producers: int) -> Case:
         p = ctx.profile
         async with broker(ctx, name, mode) as server, AsyncClient(server.addr) as admin:
             await admin.create_queue(QUEUE)
-            conns: list[Connection]
+            conns: list[AsyncClient]
             if producers == 1:
                 conns = [admin]
             else:

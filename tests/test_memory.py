@@ -1,0 +1,34 @@
+"""The heap trimmer (`fila.server.memory`): freed memory goes back to the system after
+growth, in this very process (glibc only)."""
+
+from __future__ import annotations
+
+import pytest
+from support import wait_until
+
+from fila.server.memory import HeapTrimmer, _malloc_trim, resident_bytes
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.skipif(_malloc_trim() is None, reason="needs glibc's malloc_trim")
+def test_memory_freed_below_a_live_block_is_returned_after_growth() -> None:
+    trimmer = HeapTrimmer(interval_s=0.05, growth_bytes=32 * MIB)
+    trimmer.start()
+    try:
+        # 2 KB blocks come from malloc, not Python's small-object pools; the block
+        # allocated after them keeps the heap's top in use, so free() cannot give the
+        # space back by itself and only malloc_trim can.
+        blocks = [bytes(2000) for _ in range(60_000)]
+        top = bytes(2000)
+        grown = resident_bytes()
+        del blocks
+        assert resident_bytes() > grown - 16 * MIB, "free() returned it alone; no test"
+        wait_until(
+            lambda: resident_bytes() < grown - 64 * MIB,
+            timeout=10,
+            what="RSS to drop after the trimmer ran",
+        )
+        assert top
+    finally:
+        trimmer.stop()
