@@ -5,6 +5,10 @@
 
 Producers enqueue uniquely tagged messages and remember which enqueues were
 answered; consumers ack what they receive and remember which acks were answered.
+Every path is exercised: producers take turns on unary `Enqueue`, `EnqueueBatch`
+(10 per call) and `StreamEnqueue` (5 per request); consumers on `Consume` with
+unary `Ack`, and `StreamConsume` (max_batch 10) with confirmed `AckBatch` acks or
+with acks written on the stream (unconfirmed, so never counted as answered).
 Every cycle runs the load for a random 0.5-2.5 s, SIGKILLs the broker, and starts
 it again on the same data directory. At the end the queue is drained and:
 
@@ -27,6 +31,7 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -59,44 +64,138 @@ class Ledger:
         return f"t{self.next_tag}"
 
 
+def _message(ledger: Ledger) -> tuple[str, service_pb2.EnqueueRequest]:
+    tag = ledger.tag()
+    return tag, service_pb2.EnqueueRequest(queue=QUEUE, headers={"tag": tag}, payload=b"x" * 256)
+
+
+def _record(ledger: Ledger, tags: list[str], results: Iterable[service_pb2.EnqueueResult]) -> None:
+    for tag, result in zip(tags, results, strict=True):
+        if result.WhichOneof("result") == "message_id":
+            ledger.answered_enqueues[tag] = result.message_id
+        else:
+            ledger.unanswered_enqueues += 1
+
+
 async def _produce(
-    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event
+    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event, path: int
 ) -> None:
     while not stop.is_set():
-        tag = ledger.tag()
-        request = service_pb2.EnqueueRequest(queue=QUEUE, headers={"tag": tag}, payload=b"x" * 256)
         try:
-            reply = await stub.Enqueue(request, timeout=5, wait_for_ready=True)
+            if path == 0:
+                tag, request = _message(ledger)
+                reply = await stub.Enqueue(request, timeout=5, wait_for_ready=True)
+                ledger.answered_enqueues[tag] = reply.message_id
+            elif path == 1:
+                tags, requests = zip(*(_message(ledger) for _ in range(10)), strict=True)
+                batch = service_pb2.EnqueueBatchRequest(messages=requests)
+                try:
+                    answer = await stub.EnqueueBatch(batch, timeout=5, wait_for_ready=True)
+                except grpc.aio.AioRpcError:
+                    ledger.unanswered_enqueues += len(tags) - 1  # one more below
+                    raise
+                _record(ledger, list(tags), answer.results)
+            else:
+                await _stream_enqueue(stub, ledger, stop)
         except grpc.aio.AioRpcError:
             ledger.unanswered_enqueues += 1
             await asyncio.sleep(0.05)  # the broker is down: retry pacing, not a wait for state
-            continue
-        ledger.answered_enqueues[tag] = reply.message_id
+
+
+async def _stream_enqueue(
+    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event
+) -> None:
+    """One StreamEnqueue stream, one request of 5 in flight, until it breaks or stop."""
+    call = stub.StreamEnqueue(wait_for_ready=True)
+    sequence = 0
+    try:
+        while not stop.is_set():
+            sequence += 1
+            tags, requests = zip(*(_message(ledger) for _ in range(5)), strict=True)
+            await call.write(
+                service_pb2.StreamEnqueueRequest(sequence_number=sequence, messages=requests)
+            )
+            answer = await call.read()
+            if answer is grpc.aio.EOF:
+                ledger.unanswered_enqueues += len(tags)
+                return
+            _record(ledger, list(tags), answer.results)
+    finally:
+        call.cancel()
 
 
 async def _consume(
-    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event
+    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event, path: int
 ) -> None:
     while not stop.is_set():
         try:
-            call = stub.Consume(service_pb2.ConsumeRequest(queue=QUEUE), wait_for_ready=True)
-            async for frame in call:
-                if not frame.HasField("message"):
-                    continue
-                message = frame.message
-                ledger.deliveries.append((message.id, message.headers["tag"], time.monotonic()))
-                try:
-                    await stub.Ack(
-                        service_pb2.AckRequest(queue=QUEUE, message_id=message.id), timeout=5
-                    )
-                except grpc.aio.AioRpcError:
-                    ledger.unanswered_acks += 1
-                    continue
-                ledger.acked_at[message.id] = time.monotonic()
-                if stop.is_set():
-                    return
+            if path == 0:
+                await _consume_unary(stub, ledger, stop)
+            else:
+                await _consume_stream(stub, ledger, stop, ack_on_stream=path == 2)
         except grpc.aio.AioRpcError:
             await asyncio.sleep(0.05)  # the broker is down: reconnect pacing
+
+
+async def _consume_unary(
+    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event
+) -> None:
+    call = stub.Consume(service_pb2.ConsumeRequest(queue=QUEUE), wait_for_ready=True)
+    async for frame in call:
+        if not frame.HasField("message"):
+            continue
+        message = frame.message
+        ledger.deliveries.append((message.id, message.headers["tag"], time.monotonic()))
+        try:
+            await stub.Ack(service_pb2.AckRequest(queue=QUEUE, message_id=message.id), timeout=5)
+        except grpc.aio.AioRpcError:
+            ledger.unanswered_acks += 1
+            continue
+        ledger.acked_at[message.id] = time.monotonic()
+        if stop.is_set():
+            return
+
+
+async def _consume_stream(
+    stub: service_pb2_grpc.FilaServiceStub,
+    ledger: Ledger,
+    stop: asyncio.Event,
+    *,
+    ack_on_stream: bool,
+) -> None:
+    call = stub.StreamConsume(wait_for_ready=True)
+    try:
+        await call.write(service_pb2.StreamConsumeRequest(queue=QUEUE, max_batch=10, prefetch=20))
+        while not stop.is_set():
+            frame = await call.read()
+            if frame is grpc.aio.EOF:
+                return
+            messages = list(frame.messages) or ([frame.message] if frame.message.id else [])
+            now = time.monotonic()
+            ids = [m.id for m in messages]
+            ledger.deliveries += [(m.id, m.headers["tag"], now) for m in messages]
+            if not ids:
+                continue
+            if ack_on_stream:  # no answer: these acks are never counted as answered
+                await call.write(service_pb2.StreamConsumeRequest(ack_ids=ids))
+                ledger.unanswered_acks += len(ids)
+                continue
+            request = service_pb2.AckBatchRequest(
+                acks=[service_pb2.AckRequest(queue=QUEUE, message_id=i) for i in ids]
+            )
+            try:
+                answer = await stub.AckBatch(request, timeout=5)
+            except grpc.aio.AioRpcError:
+                ledger.unanswered_acks += len(ids)
+                continue
+            acked_at = time.monotonic()
+            for message_id, result in zip(ids, answer.results, strict=True):
+                if result.code == 0:
+                    ledger.acked_at[message_id] = acked_at
+                else:
+                    ledger.unanswered_acks += 1
+    finally:
+        call.cancel()
 
 
 async def _depth(addr: str) -> tuple[int, int]:
@@ -124,10 +223,10 @@ async def soak(cycles: int, producers: int, consumers: int, workdir: Path) -> di
     stubs = [service_pb2_grpc.FilaServiceStub(ch) for ch in channels]
     stop_producing, stop_consuming = asyncio.Event(), asyncio.Event()
     tasks = [
-        asyncio.create_task(_produce(stubs[i % CHANNELS], ledger, stop_producing))
+        asyncio.create_task(_produce(stubs[i % CHANNELS], ledger, stop_producing, i % 3))
         for i in range(producers)
     ] + [
-        asyncio.create_task(_consume(stubs[i % CHANNELS], ledger, stop_consuming))
+        asyncio.create_task(_consume(stubs[i % CHANNELS], ledger, stop_consuming, i % 3))
         for i in range(consumers)
     ]
     rng = random.Random(7)
