@@ -18,6 +18,7 @@ the others use: every enqueued id consumed exactly once.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 from fila_bench.case import Case, Context
@@ -43,6 +44,14 @@ RSS_KEYS = 1_000
 RSS_SETTLE_S = 2.0
 
 
+def _reported(result: Result) -> Result:
+    """Reported, not gated, until `scripts/bench-spread.sh` has measured these figures'
+    run-to-run spread and `fila_bench/thresholds.toml` holds a threshold above it: a
+    raw msg/s has no ceiling ratio to cancel the host out, so the plain 10% gate
+    would fail unchanged pull requests at random."""
+    return dataclasses.replace(result, gated=False)
+
+
 async def _batched_enqueue(ctx: Context) -> list[Result]:
     p = ctx.profile
     name = "sdk_batched_enqueue_1kb_1p"
@@ -60,7 +69,7 @@ async def _batched_enqueue(ctx: Context) -> list[Result]:
                 raise CheckFailed(f"{name}: {len(failed)} items failed, e.g. {failed[0]!r}")
             if time.perf_counter() <= end and now >= measure_from:
                 counted += len(results)
-    return [throughput(name, counted / p.measure_s)]
+    return [_reported(throughput(name, counted / p.measure_s))]
 
 
 async def _lifecycle(ctx: Context) -> list[Result]:
@@ -107,7 +116,7 @@ async def _lifecycle(ctx: Context) -> list[Result]:
         await _wait_acked(client, len(enqueued), p.deadline_s)
         check_exactly_once(name, enqueued, acked)
         await check_empty(client, QUEUE)
-    return [throughput(name, counted / p.measure_s)]
+    return [_reported(throughput(name, counted / p.measure_s))]
 
 
 async def _wait_acked(client: AsyncClient, total: int, within_s: float) -> None:
@@ -165,7 +174,7 @@ async def _batched_drain(ctx: Context) -> list[Result]:
         await _wait_acked(client, len(enqueued), p.deadline_s)
         check_exactly_once(name, enqueued, delivered)
         await check_empty(client, QUEUE)
-    return [throughput(name, (len(delivered) - 1) / elapsed)]
+    return [_reported(throughput(name, (len(delivered) - 1) / elapsed))]
 
 
 async def _rss_million(ctx: Context) -> list[Result]:
@@ -186,7 +195,7 @@ async def _rss_million(ctx: Context) -> list[Result]:
             raise CheckFailed(f"{name}: depth {stats.depth}, expected {RSS_MESSAGES}")
         await asyncio.sleep(RSS_SETTLE_S)  # let a flush in progress finish before reading
         rss = rss_mib(server.pid)
-    return [Result(name, rss, MIB, higher_is_better=False)]
+    return [_reported(Result(name, rss, MIB, higher_is_better=False))]
 
 
 CASES = [
