@@ -1,10 +1,11 @@
 """Fila itself, started with its own `fila-server` and driven through `fila_sdk`.
 
-One `AsyncClient` per session. The one-in-flight rows use the plain calls
-(`enqueue`, `consume`, `ack`), and the broker's `scheduler.consumer_buffer` is set to
-1 so that a Consume stream holds one unacknowledged job at a time, as a worker with
-one job in flight does on every other broker (RabbitMQ prefetch 1, a NATS fetch of 1,
-one BLMOVE, one beanstalkd reserve).
+One `AsyncClient` per session. The one-in-flight rows enqueue with the plain
+`enqueue` (which rides a `StreamEnqueue` stream) and consume through a `Worker` with
+one slot and a prefetch of 1, so a stream holds one unacknowledged job at a time, as
+a worker with one job in flight does on every other broker (RabbitMQ prefetch 1, a
+NATS fetch of 1, one BLMOVE, one beanstalkd reserve); `scheduler.consumer_buffer` is
+1 as well, for any plain `Consume` stream.
 
 gRPC pools subchannels per process, so `AsyncClient`s created with the same options
 share one TCP connection. When the SDK accepts `channel_options`, each session asks
@@ -19,10 +20,11 @@ available" instead of carrying a number.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import inspect
 import sys
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Any, ClassVar, Final
@@ -72,24 +74,46 @@ def new_client(addr: str) -> fila_sdk.AsyncClient:
 
 
 class _FilaSession:
+    """Enqueue through `AsyncClient.enqueue` (a frame on its `StreamEnqueue` stream);
+    reserve and ack through a `fila_sdk.Worker` with one slot and a prefetch of 1,
+    the SDK's way to consume: the handler hands each message to `reserve` and
+    returns when `ack` is called, and the worker acks it on its `StreamConsume`
+    stream. Like RabbitMQ's `basic.ack` (prefetch 1) that ack has no reply; the
+    empty-queue check after each cell shows every one of them took effect."""
+
     def __init__(self, client: fila_sdk.AsyncClient, queue: str) -> None:
         self._client = client
         self._queue = queue
-        self._stream: AsyncIterator[fila_sdk.Message] | None = None
+        self._worker: fila_sdk.AsyncWorker | None = None
+        self._reserved: asyncio.Queue[tuple[fila_sdk.Message, asyncio.Event]] = asyncio.Queue()
+        self._held: dict[str, asyncio.Event] = {}
 
     async def enqueue(self, body: bytes) -> None:
         await self._client.enqueue(self._queue, None, body)
 
+    async def _handle(self, message: fila_sdk.Message) -> None:
+        acked = asyncio.Event()
+        self._reserved.put_nowait((message, acked))
+        await acked.wait()
+
     async def reserve(self) -> Delivery:
-        if self._stream is None:
-            self._stream = self._client.consume(self._queue)
-        message = await anext(self._stream)
+        if self._worker is None:
+            self._worker = fila_sdk.AsyncWorker(
+                self._client, self._queue, self._handle, concurrency=1, prefetch=1, grace_period=0
+            )
+            await self._worker.__aenter__()
+        message, acked = await self._reserved.get()
+        self._held[message.id] = acked
         return Delivery(message.payload, message.id)
 
     async def ack(self, delivery: Delivery) -> None:
-        await self._client.ack(self._queue, str(delivery.handle))
+        self._held.pop(str(delivery.handle)).set()
+        await asyncio.sleep(0)  # let the handler return and the worker write the ack
 
     async def close(self) -> None:
+        if self._worker is not None:
+            # Unreserved messages the handler still holds are released by the stop.
+            await self._worker.__aexit__(None, None, None)
         await self._client.close()
 
 
