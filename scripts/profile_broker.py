@@ -1,0 +1,188 @@
+#!/usr/bin/env python3
+"""Where a broker's time goes under one load: py-spy samples of a real fila-server.
+
+    .venv/bin/python scripts/profile_broker.py MODE [--seconds 8] [--persist-mode sync]
+        [--top 20] [--raw FILE]
+
+MODE is the load, from this process:
+- `unary50`: 50 connections, one unary `Enqueue` of 256 B in flight on each (the
+  one-message-per-call design the echo ceiling measures);
+- `sdk50`: the same through 50 `AsyncClient`s, whose `enqueue` rides `StreamEnqueue`;
+- `batch`: four loops of `EnqueueBatch` with 100 messages of 1 KiB;
+- `drain`: a backlog preloaded with `batch`, drained by one `StreamConsume` stream
+  (max_batch 100, prefetch 1,000) acking on the stream.
+
+It starts a broker on a free port in a temporary directory, attaches
+`py-spy record` for the load's duration (py-spy from PyPI; it needs ptrace, so run
+as root or with CAP_SYS_PTRACE), and prints the load's rate, the functions with the
+most samples of their own, and the inclusive share of the broker's own functions.
+Samples inside grpc's Cython code show up as the Python frame that called it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+import grpc.aio
+
+from fila.server.process import ServerProcess
+from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
+from fila_sdk import AsyncClient
+
+QUEUE = "p"
+LOCAL_POOL = (("grpc.use_local_subchannel_pool", 1),)
+
+
+async def _create_queue(addr: str) -> None:
+    async with grpc.aio.insecure_channel(addr) as channel:
+        try:
+            await admin_pb2_grpc.FilaAdminStub(channel).CreateQueue(
+                admin_pb2.CreateQueueRequest(name=QUEUE), timeout=10
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
+                raise
+
+
+async def _unary50(addr: str, end: float) -> int:
+    channels = [grpc.aio.insecure_channel(addr, options=LOCAL_POOL) for _ in range(50)]
+    request = service_pb2.EnqueueRequest(queue=QUEUE, payload=b"x" * 256)
+    sent = 0
+
+    async def loop(stub: service_pb2_grpc.FilaServiceStub) -> None:
+        nonlocal sent
+        while time.monotonic() < end:
+            await stub.Enqueue(request)
+            sent += 1
+
+    await asyncio.gather(*(loop(service_pb2_grpc.FilaServiceStub(c)) for c in channels))
+    for channel in channels:
+        await channel.close(None)
+    return sent
+
+
+async def _sdk50(addr: str, end: float) -> int:
+    clients = [AsyncClient(addr, channel_options=LOCAL_POOL) for _ in range(50)]
+    sent = 0
+
+    async def loop(client: AsyncClient) -> None:
+        nonlocal sent
+        while time.monotonic() < end:
+            await client.enqueue(QUEUE, None, b"x" * 256)
+            sent += 1
+
+    await asyncio.gather(*(loop(c) for c in clients))
+    for client in clients:
+        await client.close()
+    return sent
+
+
+async def _batch(addr: str, end: float) -> int:
+    request = service_pb2.EnqueueBatchRequest(
+        messages=[service_pb2.EnqueueRequest(queue=QUEUE, payload=b"x" * 1024)] * 100
+    )
+    sent = 0
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = service_pb2_grpc.FilaServiceStub(channel)
+
+        async def loop() -> None:
+            nonlocal sent
+            while time.monotonic() < end:
+                await stub.EnqueueBatch(request)
+                sent += 100
+
+        await asyncio.gather(*(loop() for _ in range(4)))
+    return sent
+
+
+async def _drain(addr: str, end: float) -> int:
+    settled: asyncio.Queue[list[str]] = asyncio.Queue()
+    received = 0
+
+    async def requests():  # type: ignore[no-untyped-def]
+        yield service_pb2.StreamConsumeRequest(queue=QUEUE, max_batch=100, prefetch=1000)
+        while True:
+            yield service_pb2.StreamConsumeRequest(ack_ids=await settled.get())
+
+    async with grpc.aio.insecure_channel(addr) as channel:
+        call = service_pb2_grpc.FilaServiceStub(channel).StreamConsume(requests())
+        async for frame in call:
+            ids = [m.id for m in frame.messages]
+            received += len(ids)
+            settled.put_nowait(ids)
+            if time.monotonic() > end:
+                break
+        call.cancel()
+    return received
+
+
+LOADS = {"unary50": _unary50, "sdk50": _sdk50, "batch": _batch, "drain": _drain}
+
+
+def _summary(raw: Path, top: int) -> str:
+    own: collections.Counter[str] = collections.Counter()
+    inclusive: collections.Counter[str] = collections.Counter()
+    total = 0
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        samples = int(count)
+        total += samples
+        frames = stack.split(";")
+        own[frames[-1]] += samples
+        for frame in set(frames):
+            inclusive[frame] += samples
+    if not total:
+        return "no samples"
+    lines = [f"{total} samples", "--- own time"]
+    lines += [f"{100 * n / total:5.1f}% {f[:140]}" for f, n in own.most_common(top)]
+    lines.append("--- inclusive, fila's own functions")
+    ours = [(f, n) for f, n in inclusive.most_common() if "fila/" in f and "main.py" not in f]
+    lines += [f"{100 * n / total:5.1f}% {f[:140]}" for f, n in ours[:top]]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("mode", choices=sorted(LOADS))
+    parser.add_argument("--seconds", type=float, default=8.0)
+    parser.add_argument("--persist-mode", choices=("sync", "buffer"), default="sync")
+    parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--raw", type=Path, help="keep py-spy's raw (collapsed) output here")
+    args = parser.parse_args()
+    py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    with tempfile.TemporaryDirectory(prefix="fila-profile-") as tmp:
+        server = ServerProcess(Path(tmp) / "data", persist_mode=args.persist_mode)
+        server.start()
+        try:
+            asyncio.run(_create_queue(server.addr))
+            if args.mode == "drain":  # a backlog to drain
+                asyncio.run(_batch(server.addr, time.monotonic() + args.seconds * 0.75))
+            raw = args.raw or Path(tmp) / "profile.txt"
+            duration = str(int(args.seconds) + 1)
+            record = ["record", "-p", str(server.pid), "-d", duration, "-r", "250"]
+            spy = subprocess.Popen(
+                [py_spy, *record, "-f", "raw", "-o", str(raw)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            load = LOADS[args.mode]
+            moved = asyncio.run(load(server.addr, time.monotonic() + args.seconds))
+            spy.wait(timeout=args.seconds + 30)
+        finally:
+            server.stop()
+        print(f"{args.mode} ({args.persist_mode}): {moved / args.seconds:,.0f} msg/s")
+        print(_summary(raw, args.top))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
