@@ -307,8 +307,10 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if self._placements.owner(name) is not None:
             raise QueueAlreadyExists(name)
         live = {node.node_id: node for node in self._nodes.live()}
-        if self._lease.serving:
+        if self._lease.serving:  # (even before this node's own join reached its mirror)
             live.setdefault(self._node_id, NodeRecord(self._node_id, "", 0))
+        else:  # a fenced node cannot create: leave it to a live one
+            live.pop(self._node_id, None)
         if not live:
             raise self._lease.fenced_error()
         chosen = self._placements.choose(live)

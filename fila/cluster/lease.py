@@ -92,19 +92,22 @@ class NodeLease:
     # -- joining ---------------------------------------------------------------------
 
     async def acquire(self, patience_s: float) -> None:
-        """Joins the cluster at startup; raises NodeIdTaken or EtcdUnavailable once
-        `patience_s` passed (another node with this id is alive, or etcd is away)."""
+        """Joins the cluster at startup. Raises EtcdUnavailable once etcd did not answer
+        for `patience_s`, and NodeIdTaken once another holder of this node id outlived
+        two lease TTLs (a dead one's lease would have expired by then)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience_s
+        held_until: float | None = None
         while True:
             try:
                 if await self._join():
                     return
-                failure: BrokerError = NodeIdTaken(self._held_message())
-            except EtcdUnavailable as exc:
-                failure = exc
-            if loop.time() >= deadline:
-                raise failure
+                held_until = held_until or loop.time() + 2 * self._ttl_s + 1
+                if loop.time() >= held_until:
+                    raise NodeIdTaken(self._held_message())
+            except EtcdUnavailable:
+                if loop.time() >= deadline:
+                    raise
             await asyncio.sleep(HELD_RETRY_S)
 
     async def _join(self) -> bool:
