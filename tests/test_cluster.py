@@ -34,6 +34,7 @@ from typing import Any
 import grpc
 import pytest
 from support import ServerProcess, wait_until
+from support.cli import ok, ok_json
 from support.cluster import (
     LEASE_TTL_MS,
     Cluster,
@@ -483,6 +484,27 @@ def _install_published(tmp_path: Path) -> Path:
     return target
 
 
+def test_cli_shows_the_nodes_and_each_queues_node(shared: Cluster) -> None:
+    on = spread(shared, "cli")
+    addr = shared.node(2).addr
+    status = ok_json(addr, "--api-key", BOOT, "cluster", "status")
+    assert (status["enabled"], status["node_id"]) == (True, 2)
+    assert [(n["node_id"], n["up"]) for n in status["nodes"]] == [(1, True), (2, True), (3, True)]
+    assert [n["advertise_addr"] for n in status["nodes"]] == [
+        shared.node(i).addr for i in (1, 2, 3)
+    ]
+    assert "3 of 3 nodes up (as seen by node 2)" in ok(addr, "--api-key", BOOT, "cluster", "status")
+    listed = {q["name"]: q for q in ok_json(addr, "--api-key", BOOT, "queue", "list")}
+    for owner, queue in on.items():
+        assert listed[queue]["node"] == owner
+        assert listed[queue + ".dlq"]["node"] == owner
+        assert ok_json(addr, "--api-key", BOOT, "queue", "inspect", queue)["node"] == owner
+    table = ok(addr, "--api-key", BOOT, "queue", "list").splitlines()
+    assert "node" in table[1]  # the header row, under the table's top border
+    row = next(line for line in table if on[3] + " " in line)
+    assert " 3 " in row
+
+
 # -- failures ------------------------------------------------------------------------------------
 
 
@@ -532,6 +554,17 @@ def test_kill9_of_an_owner(tmp_path: Path) -> None:
             for queue in (on[1], on[2]):
                 made.fila(1).admin.PurgeQueue(admin_pb2.PurgeQueueRequest(queue=queue))
 
+        def counted_down() -> object:  # once etcd expires its lease
+            status = ok_json(made.node(1).addr, "cluster", "status")
+            return not status["nodes"][2]["up"] and status
+
+        status = wait_until(counted_down, LEASE_TTL_MS / 1000 + 3, what="node 3 counted down")
+        assert isinstance(status, dict)
+        assert [(n["node_id"], n["up"]) for n in status["nodes"]] == [
+            (1, True), (2, True), (3, False)
+        ]  # fmt: skip
+        assert status["nodes"][2]["queues"] == 1  # its queue waits for it
+        assert made.fila(2).list_queues().cluster_node_count == 2
         made.node(3).start()
 
         def back() -> bool:  # every node learns from etcd that node 3 is up again
@@ -714,4 +747,9 @@ def test_without_cluster_section_the_broker_is_one_node(server: ServerProcess) -
         assert fila.stats("solo").leader_node_id == 0
         status = fila.admin.ClusterStatus(admin_pb2.ClusterStatusRequest())
         assert status == admin_pb2.ClusterStatusResponse(enabled=False)
+    assert "Not in cluster mode" in ok(server, "cluster", "status")
+    assert ok_json(server, "queue", "list")[0] == {
+        "name": "solo", "depth": 0, "in_flight": 0, "active_consumers": 0
+    }  # fmt: skip
+    assert "node" not in ok_json(server, "queue", "inspect", "solo")
     assert "fila.cluster" not in server.log_text()
