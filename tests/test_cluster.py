@@ -753,3 +753,27 @@ def test_without_cluster_section_the_broker_is_one_node(server: ServerProcess) -
     }  # fmt: skip
     assert "node" not in ok_json(server, "queue", "inspect", "solo")
     assert "fila.cluster" not in server.log_text()
+
+
+def test_the_cluster_benchmark_runs(tmp_path: Path) -> None:
+    """`fila-bench system`'s cluster cases, with tiny windows: every figure present."""
+    import json
+    import subprocess
+    import sys
+
+    require_etcd()
+    out = tmp_path / "results.json"
+    argv = [sys.executable, "-m", "fila_bench", "system", "--quick", "--only", "cluster_*",
+            "--measure-seconds", "0.3", "--warmup-seconds", "0", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures = {b["name"]: b["value"] for b in json.loads(out.read_text())["benchmarks"]}
+    for name in (
+        "cluster_enqueue_owner_8c",
+        "cluster_enqueue_forwarded_8c",
+        "cluster_enqueue_owner_p50",
+        "cluster_enqueue_forwarded_p50",
+        "cluster_recovery_ms",
+    ):
+        assert figures[name] > 0, name
+    assert "cluster_forwarding_cost_pct" in figures

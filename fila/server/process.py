@@ -251,4 +251,6 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str | int | float):
         return json.dumps(value)  # JSON strings and numbers are valid TOML
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise ValueError(f"cannot re-emit TOML value {value!r}")

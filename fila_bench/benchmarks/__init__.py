@@ -27,6 +27,7 @@ CEILING_ROWS = (ECHO_CASE, f"{ECHO_CASE}_spread_pct")  # added by the runner, no
 def all_cases() -> list[Case]:
     # Imported here: the modules import keys_script from this package.
     from fila_bench.benchmarks import (
+        cluster,
         durability,
         enqueue,
         latency,
@@ -44,6 +45,7 @@ def all_cases() -> list[Case]:
         *lua.CASES,
         *throttle.CASES,
         *resources.CASES,
+        *cluster.CASES,
         *durability.CASES,
         # The batch paths (issue 7 item 5) go here, each a case of its own
         # with its rates listed in `ratios`, once fila_sdk has the batch calls they
