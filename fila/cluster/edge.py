@@ -47,6 +47,10 @@ Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 Behaviour = Callable[..., Awaitable[Any]]
 
+# How long ListQueues waits for another node's own queues before listing them as the
+# placements in etcd say (names and owners, no numbers).
+LIST_TIMEOUT_S = 5.0
+
 # Batch answers: the response type, and how one item's error is wrapped in it.
 _BATCHES: dict[str, tuple[type[Message], Callable[[service_pb2.BatchError], Message]]] = {
     "EnqueueBatch": (
@@ -406,6 +410,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 request.SerializeToString(),
                 context,
                 lambda: OwnerDown("-", node.node_id),
+                timeout_cap=LIST_TIMEOUT_S,  # one slow node must not hold up the listing
             )
         except BrokerError as exc:
             log.warning("node %d did not list its queues: %s", node.node_id, exc)

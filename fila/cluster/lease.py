@@ -73,6 +73,7 @@ class NodeLease:
         self._repair = asyncio.Event()
         self._holder = 0  # the lease holding our id when a join found it taken
         self._served = False
+        self._leaving = False
 
     @property
     def node_id(self) -> int:
@@ -84,6 +85,8 @@ class NodeLease:
         return asyncio.get_running_loop().time() < self._valid_until
 
     def fenced_error(self) -> Fenced:
+        if self._leaving:
+            return Fenced(f"node {self.node_id} is shutting down: its queues are unavailable")
         return Fenced(
             f"node {self.node_id} has lost its etcd lease: its queues are unavailable until "
             "it renews it (is etcd reachable from this node?)"
@@ -241,6 +244,7 @@ class NodeLease:
     async def release(self) -> None:
         """Leaves the cluster (graceful shutdown): revoking the lease deletes the
         membership key, so the other nodes see this node down at once."""
+        self._leaving = True
         self._fence()
         if self._lease:
             lease, self._lease = self._lease, 0

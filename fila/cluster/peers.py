@@ -89,16 +89,20 @@ class Peers:
         request: bytes,
         context: Context,
         down: Callable[[], BrokerError],
+        *,
+        timeout_cap: float | None = None,
     ) -> bytes:
-        """Forwards one unary call; the owner's answer as bytes, or its failure raised."""
+        """Forwards one unary call with the caller's deadline (at most `timeout_cap`);
+        the owner's answer as bytes, or its failure raised."""
         await self._close_retired()
         call = self._channel(node).unary_unary(
             method, request_serializer=_identity, response_deserializer=_identity
         )
+        timeout = context.time_remaining()
+        if timeout_cap is not None:
+            timeout = timeout_cap if timeout is None else min(timeout, timeout_cap)
         try:
-            response: bytes = await call(
-                request, metadata=self.metadata(context), timeout=context.time_remaining()
-            )
+            response: bytes = await call(request, metadata=self.metadata(context), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, down) from None
         return response
