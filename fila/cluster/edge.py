@@ -211,6 +211,8 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
             async def local(indexes: list[int]) -> None:
                 response = await inner(part(indexes), context)
+                if isinstance(response, bytes):  # answers the handler encoded itself
+                    response = response_type.FromString(response)
                 for index, result in zip(indexes, response.results, strict=False):
                     results[index] = result
 
@@ -514,19 +516,11 @@ def _behaviour_of(handler: Handler) -> Behaviour:
 
 def _rebuild(handler: Handler, behaviour: Behaviour) -> Handler:
     """`handler`'s shape and deserializer around `behaviour`, with a serializer that
-    also passes a forwarded answer (bytes) through as it is."""
-    serialize = handler.response_serializer
-
-    def serializer(response: Any) -> bytes:
-        if isinstance(response, bytes):
-            return response
-        assert serialize is not None
-        raw: bytes = serialize(response)
-        return raw
-
+    passes bytes (a forwarded answer, or one the local handler encoded itself) through
+    as they are and encodes messages (an answer merged here)."""
     kwargs: dict[str, Any] = {
         "request_deserializer": handler.request_deserializer,
-        "response_serializer": serializer,
+        "response_serializer": _serialize,
     }
     if handler.unary_stream:
         return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
@@ -535,3 +529,7 @@ def _rebuild(handler: Handler, behaviour: Behaviour) -> Handler:
     if handler.stream_stream:
         return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
     return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)
+
+
+def _serialize(response: bytes | Message) -> bytes:
+    return response if isinstance(response, bytes) else response.SerializeToString()

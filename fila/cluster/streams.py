@@ -45,14 +45,16 @@ METHOD = "/fila.v1.FilaService/StreamEnqueue"
 
 
 class _Pending:
-    """One request of the producer: its results, filled in by its parts."""
+    """One request of the producer: its results, filled in by its parts; or, for a
+    request served here whole, the local handler's encoded answer as it is."""
 
-    __slots__ = ("done", "missing", "results", "sequence")
+    __slots__ = ("done", "missing", "raw", "results", "sequence")
 
     def __init__(self, sequence: int, size: int) -> None:
         self.sequence = sequence
         self.results: list[service_pb2.EnqueueResult | None] = [None] * size
         self.missing = 0
+        self.raw: bytes | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
     def fill(self, indexes: Sequence[int], results: Sequence[service_pb2.EnqueueResult]) -> None:
@@ -66,7 +68,8 @@ class _Pending:
         self.fill(indexes, [_error_result(error(i)) for i in indexes])
 
 
-_Part = tuple[_Pending, list[int]]
+# A part sent to the local handler: its request, its items, whether it is the whole one.
+_Part = tuple[_Pending, list[int], bool]
 
 
 class _CaptureContext:
@@ -114,8 +117,7 @@ class StreamSplitter:
         self._order: deque[_Pending] = deque()
         self._written = asyncio.Event()
         self._local_in: asyncio.Queue[service_pb2.StreamEnqueueRequest | None] = asyncio.Queue()
-        self._local_parts: dict[int, _Part] = {}
-        self._local_sequence = 0
+        self._local_parts: deque[_Part] = deque()  # the local handler answers in order
         self._local_task: asyncio.Task[None] | None = None
         self._remotes: dict[int, _Remote] = {}
         self._pending_writes: asyncio.Queue[_Pending | None] = asyncio.Queue()
@@ -185,10 +187,13 @@ class StreamSplitter:
         if failed:
             indexes = sorted(failed)
             pending.fail(indexes, failed.__getitem__)
+        elif len(groups) == 1 and LOCAL in groups:  # all here: the single-node path
+            self._send_local(pending, groups[LOCAL], request, whole=True)
+            return
         for target, indexes in groups.items():
             part = service_pb2.StreamEnqueueRequest(messages=[messages[i] for i in indexes])
             if target is LOCAL:
-                self._send_local(pending, indexes, part)
+                self._send_local(pending, indexes, part, whole=False)
             else:
                 assert isinstance(target, NodeRecord)
                 await self._send_remote(target, pending, indexes, part)
@@ -196,26 +201,34 @@ class StreamSplitter:
     # -- the local part ------------------------------------------------------------------
 
     def _send_local(
-        self, pending: _Pending, indexes: list[int], part: service_pb2.StreamEnqueueRequest
+        self,
+        pending: _Pending,
+        indexes: list[int],
+        part: service_pb2.StreamEnqueueRequest,
+        *,
+        whole: bool,
     ) -> None:
         if self._local_task is None:
             context = _CaptureContext(self._context, self._local_answer)
             self._local_task = asyncio.create_task(
                 self._run_local(_drain(self._local_in), cast(Context, context))
             )
-        self._local_sequence += 1
-        part.sequence_number = self._local_sequence
-        self._local_parts[self._local_sequence] = (pending, indexes)
+        self._local_parts.append((pending, indexes, whole))
         self._local_in.put_nowait(part)
 
     async def _run_local(self, requests: AsyncIterator[Any], context: Context) -> None:
         await self._inner(requests, context)
 
-    def _local_answer(self, response: service_pb2.StreamEnqueueResponse) -> None:
-        found = self._local_parts.pop(response.sequence_number, None)
-        if found is not None:
-            pending, indexes = found
-            pending.fill(indexes, response.results)
+    def _local_answer(self, response: service_pb2.StreamEnqueueResponse | bytes) -> None:
+        pending, indexes, whole = self._local_parts.popleft()
+        if whole and isinstance(response, bytes):  # the request's answer, as encoded
+            pending.raw = response
+            pending.missing = 0
+            pending.done.set_result(None)
+            return
+        if isinstance(response, bytes):  # the local handler encodes its answers itself
+            response = service_pb2.StreamEnqueueResponse.FromString(response)
+        pending.fill(indexes, response.results)
 
     # -- the remote parts ----------------------------------------------------------------
 
@@ -270,6 +283,9 @@ class StreamSplitter:
     async def _write_answers(self) -> None:
         while (pending := await self._pending_writes.get()) is not None:
             await pending.done
+            if pending.raw is not None:
+                await self._context.write(pending.raw)
+                continue
             await self._context.write(
                 service_pb2.StreamEnqueueResponse(
                     sequence_number=pending.sequence,

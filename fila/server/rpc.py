@@ -112,6 +112,7 @@ def unary(
     raw_response: bool = False,
 ) -> grpc.RpcMethodHandler[Any, Any]:
     """`raw_response`: the behaviour answers bytes it encoded itself."""
+
     async def handle(request: Req | BadRequest, context: Context) -> Resp:
         if isinstance(request, BadRequest):
             await refuse(request, method, context)
