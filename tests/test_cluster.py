@@ -684,6 +684,8 @@ def test_a_node_cut_off_from_etcd_stops_serving_and_no_queue_has_two_servers(
         prober = threading.Thread(target=probe, daemon=True)
         prober.start()
         wait_until(lambda: len(probes) > 30, 10, what="probes before the cut")
+        consumer = made.fila(1).consume(queue)  # served by node 1: must end with the lease
+        consumer.get()
 
         cut_at = time.monotonic()
         nets.set_link(node_ns, cut_iface, up=False)
@@ -700,6 +702,10 @@ def test_a_node_cut_off_from_etcd_stops_serving_and_no_queue_has_two_servers(
         )  # the probe ran on past the fence, through every node
         served_late = [(t - cut_at, v) for t, v, mid in probes if mid and t > cut_at + ttl + 0.25]
         assert served_late == [], f"served after the lease TTL: {served_late[:5]}"
+        wait_until(lambda: consumer.done, 1, what="node 1's consume stream ended")
+        assert consumer.error is not None and consumer.error.code() == UNAVAILABLE
+        assert "lost its etcd lease" in (consumer.error.details() or "")
+        consumer.cancel()
         # The other nodes' queues keep working meanwhile.
         made.fila(3).enqueue(other, b"fine")
 
