@@ -149,6 +149,20 @@ def test_a_queue_name_is_unique_across_the_cluster(shared: Cluster) -> None:
         assert name in shared.leaders(1)
 
 
+def test_a_queue_or_key_made_through_one_node_is_usable_through_another_at_once(
+    shared: Cluster,
+) -> None:
+    """Read-your-writes across nodes: no waiting for the other node's watch."""
+    creator, user = shared.fila(1), shared.fila(3)
+    for _ in range(20):
+        name = unique("ryw")
+        creator.create_queue(name)
+        user.enqueue(name, b"x")  # found at once, wherever it was placed
+        key = creator.admin.CreateApiKey(admin_pb2.CreateApiKeyRequest(name="ryw")).key
+        err = rpc_error(shared.fila(2, key).svc.Enqueue, service_pb2.EnqueueRequest(queue=name))
+        assert err.code() == grpc.StatusCode.PERMISSION_DENIED  # known: authenticated
+
+
 def test_every_rpc_through_every_node_reaches_the_owner(shared: Cluster) -> None:
     on = spread(shared, "rpc")
     for via in (1, 2, 3):
@@ -580,6 +594,13 @@ def test_kill9_of_an_owner(tmp_path: Path) -> None:
         assert [m.id for m in peek.messages] == [m for m in enqueued if m not in acked]
         stats = made.fila(2).stats(victim)  # ready again, or still leased (not yet expired)
         assert stats.depth + stats.in_flight == len(enqueued) - len(acked)
+
+        # Killed and restarted at once, while etcd still holds its lease: it revokes its
+        # predecessor's lease instead of waiting it out.
+        made.node(3).kill()
+        made.node(3).start()
+        wait_until(back, 10, what="the owner answering after a quick restart")
+        assert "revoking this node's previous lease" in made.node(3).log_text()
 
 
 def _lease_one(made: Cluster, owner: int, queue: str) -> str:
