@@ -18,6 +18,10 @@ presented to B), the caller asks for a `refresh` of the one key first: a
 linearizable read, so whatever etcd had answered before the call began is seen.
 Concurrent refreshes of one key share a read, but never one that started before the
 caller arrived (it could predate the write the caller depends on).
+
+Test seam: `FILA_CLUSTER_WATCH_DELAY_MS` (environment, tests only) holds each watched
+change back that long before it is applied, so that a test can show a property that
+must not depend on the watch being quick (read-your-writes across nodes).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import asyncio
 import contextlib
 import itertools
 import logging
+import os
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, Protocol
@@ -38,6 +43,7 @@ log = logging.getLogger("fila.cluster")
 # this many; past it the oldest half is forgotten.
 MAX_TOMBSTONES: Final = 100_000
 RESYNC_BACKOFF_S: Final = (0.1, 2.0)
+WATCH_DELAY_ENV: Final = "FILA_CLUSTER_WATCH_DELAY_MS"
 
 
 class Section(Protocol):
@@ -67,6 +73,7 @@ class Mirror:
         self._seq = itertools.count()
         self._reads: dict[str, _Read] = {}
         self._read_tasks: set[asyncio.Task[None]] = set()
+        self._watch_delay_s = int(os.environ.get(WATCH_DELAY_ENV) or 0) / 1000
 
     def add(self, section_name: str, section: Section) -> None:
         """Routes keys under `root + section_name` (e.g. "queues/") to `section`."""
@@ -195,6 +202,8 @@ class Mirror:
         while True:
             try:
                 async for changes in self._etcd.watch(self.root, revision + 1):
+                    if self._watch_delay_s:
+                        await asyncio.sleep(self._watch_delay_s)  # the test seam above
                     for change in changes:
                         self.apply(change.key, change.value, change.revision)
                     revision = max(revision, changes[-1].revision)
