@@ -8,7 +8,9 @@ What is shown here, and how:
   owner answered (status, message, `x-fila-error-kind`); batches and streams are
   split by owner and merged in request order; consumes elsewhere are redirected
   with `x-fila-leader-addr`; a forwarded call is never forwarded again;
-- the published `fila-python` 0.2.0 client, through one node's address;
+- the published `fila-python` 0.2.0 client, through one node's address; `fila_sdk`'s
+  consumers (`consume` sync and async, `Worker`) through one node's address, which
+  follow the redirect and carry on across the owner's `kill -9` and restart;
 - shared state: runtime config (and the throttles it drives) and API keys/ACLs set
   through one node hold on the others;
 - failures: `kill -9` of an owner (its queues UNAVAILABLE elsewhere, the others
@@ -24,6 +26,7 @@ Marked `cluster` (about two minutes in all): deselect with `-m "not cluster"`.
 
 from __future__ import annotations
 
+import queue as queues
 import threading
 import time
 import uuid
@@ -654,6 +657,106 @@ def test_kill9_of_an_owner(tmp_path: Path) -> None:
 def _lease_one(made: Cluster, owner: int, queue: str) -> str:
     with made.fila(owner).consume(queue) as stream:
         return stream.get().id
+
+
+def test_the_sdk_follows_the_owner_and_survives_its_restart(tmp_path: Path) -> None:
+    """fila_sdk consumers given node 1's address only, on queues of node 3: `consume`
+    (sync and async) and a `Worker` follow `x-fila-leader-addr` there, and the same
+    consumers carry on after node 3 is killed, counted down and started again, with
+    nothing they acknowledged delivered again and everything enqueued after delivered.
+    (That node 3 keeps what it acknowledged across `kill -9` is `test_kill9_of_an_owner`.)
+    """
+    from fila_sdk import AsyncClient, Client, Message, UnavailableError, Worker
+    from fila_sdk._loop import LoopThread
+
+    with cluster(tmp_path, 3) as made:
+        sync_q, async_q, worker_q = (spread(made, f"sdk{i}")[3] for i in range(3))
+        entry = made.node(1).addr
+        producer = made.fila(2)
+        # What each consumer acknowledged (acked, or handled for the worker), in order.
+        seen: dict[str, queues.Queue[str]] = {
+            q: queues.Queue() for q in (sync_q, async_q, worker_q)
+        }
+        errors: list[BaseException] = []
+
+        client = Client(entry, reconnect_timeout=60)
+
+        def consume() -> None:
+            try:
+                for message in client.consume(sync_q):
+                    client.ack(sync_q, message.id)
+                    seen[sync_q].put(message.id)
+            except BaseException as exc:
+                errors.append(exc)
+
+        loop = LoopThread("sdk-test-async")
+
+        async def open_async() -> AsyncClient:
+            return AsyncClient(entry, reconnect_timeout=60)
+
+        aclient = loop.run(open_async())
+
+        async def consume_async() -> None:
+            try:
+                async for message in aclient.consume(async_q):
+                    await aclient.ack(async_q, message.id)
+                    seen[async_q].put(message.id)
+            except BaseException as exc:
+                errors.append(exc)
+                raise
+
+        def handle(message: Message) -> None:
+            seen[worker_q].put(message.id)
+
+        reader = threading.Thread(target=consume, daemon=True)
+        reader.start()
+        reading = loop.submit(consume_async())
+        worker = Worker(client, worker_q, handle, concurrency=2)
+        worker.start()
+        try:
+
+            def every_consumer_gets(round_: int) -> None:
+                sent = {q: {producer.enqueue(q, b"%d" % i) for i in range(3)} for q in seen}
+                for q, inbox in seen.items():
+                    got = []
+                    for _ in range(3):
+                        try:
+                            got.append(inbox.get(timeout=20))
+                        except queues.Empty:
+                            raise AssertionError((round_, q, got, errors)) from None
+                    assert set(got) == sent[q], (round_, q)  # none of an earlier round
+                wait_until(
+                    lambda: all(
+                        (s.depth, s.in_flight) == (0, 0) for s in map(producer.stats, seen)
+                    ),
+                    10,
+                    what="every message settled on node 3",
+                )
+                assert all(inbox.empty() for inbox in seen.values())
+
+            every_consumer_gets(1)
+            made.node(3).kill()
+            wait_until(
+                lambda: not ok_json(entry, "cluster", "status")["nodes"][2]["up"],
+                LEASE_TTL_MS / 1000 + 3,
+                what="node 3 counted down",
+            )
+            [refused] = client.enqueue_many(sync_q, [b"refused"])  # meanwhile, through node 1
+            assert isinstance(refused, UnavailableError) and "which is down" in str(refused)
+            made.node(3).start()
+            wait_until(lambda: producer.list_queues().cluster_node_count == 3, 10, what="node 3 up")
+            every_consumer_gets(2)  # the same consumers, still given node 1's address only
+            assert worker.stats.resubscribed >= 1
+            assert errors == []
+        finally:
+            worker.stop()
+            worker.join(30)
+            client.close()
+            reader.join(10)
+            loop.run(aclient.close())
+            reading.result(10)
+            loop.stop()
+        assert not reader.is_alive() and errors == []
 
 
 def test_a_node_joins_and_new_queues_go_to_it(tmp_path: Path) -> None:
