@@ -27,6 +27,7 @@ Marked `cluster` (about two minutes in all): deselect with `-m "not cluster"`.
 from __future__ import annotations
 
 import queue as queues
+import socket
 import threading
 import time
 import uuid
@@ -925,6 +926,23 @@ def test_a_node_cut_off_from_etcd_stops_serving_and_no_queue_has_two_servers(
 
 
 # -- single node ---------------------------------------------------------------------------------
+
+
+def test_etcd_starts_again_on_new_ports_when_one_was_taken(tmp_path: Path) -> None:
+    """A port chosen free can be taken before etcd binds it (the three-member cluster
+    of the fencing test once lost one to a connection between its first members)."""
+    require_etcd()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        etcd = EtcdCluster(tmp_path / "etcd", 3)
+        etcd._peer[2] = taken.getsockname()[1]
+        etcd.start()
+        try:
+            assert taken.getsockname()[1] not in etcd._peer
+            assert "address already in use" in (tmp_path / "etcd" / "m2.attempt1.log").read_text()
+        finally:
+            etcd.stop()
 
 
 def test_without_cluster_section_the_broker_is_one_node(server: ServerProcess) -> None:

@@ -24,6 +24,9 @@ from types import TracebackType
 
 from fila.server.process import free_port
 
+_START_ATTEMPTS = 3
+_ADDRESS_IN_USE = "address already in use"  # etcd's log line when a port was taken
+
 
 class EtcdStartError(RuntimeError):
     """etcd is not installed, exited, or did not report healthy in time."""
@@ -66,15 +69,33 @@ class EtcdCluster:
         return [f"{host}:{port}" for port in self._client]
 
     def start(self, timeout: float = 30.0) -> EtcdCluster:
+        """Starts every member and waits until all are healthy. A port chosen free can
+        be taken before a member binds it (by another process, or as the local port of
+        a connection between the members that started first): the whole cluster is
+        then started again, from empty data directories, on new ports."""
         self.root.mkdir(parents=True, exist_ok=True)
-        initial = ",".join(
-            f"{name}=http://{self.host}:{port}"
-            for name, port in zip(self._names, self._peer, strict=True)
-        )
-        for index, name in enumerate(self._names):
-            self._start_member(index, name, initial, "new")
-        self._wait_healthy(time.monotonic() + timeout)
-        return self
+        for attempt in range(_START_ATTEMPTS):
+            initial = ",".join(
+                f"{name}=http://{self.host}:{port}"
+                for name, port in zip(self._names, self._peer, strict=True)
+            )
+            for index, name in enumerate(self._names):
+                self._start_member(index, name, initial, "new")
+            try:
+                self._wait_healthy(time.monotonic() + timeout)
+                return self
+            except EtcdStartError as exc:
+                if _ADDRESS_IN_USE not in str(exc) or attempt == _START_ATTEMPTS - 1:
+                    raise
+            self.stop()
+            for name in self._names:  # the logs are kept, renamed, for the record
+                shutil.rmtree(self.root / name, ignore_errors=True)
+                log = self.root / f"{name}.log"
+                if log.exists():
+                    log.rename(self.root / f"{name}.attempt{attempt + 1}.log")
+            self._client = [free_port() for _ in self._names]
+            self._peer = [free_port() for _ in self._names]
+        raise AssertionError("unreachable")
 
     def _start_member(self, index: int, name: str, initial: str, state: str) -> None:
         client, peer = self._client[index], self._peer[index]
