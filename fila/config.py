@@ -14,7 +14,13 @@ out-of-range values all raise `ConfigError`.
 
 Search order (SPEC 4): `--config PATH`, else `$FILA_CONFIG` (both must exist), else
 `./fila.toml`, else `/etc/fila/fila.toml`, else built-in defaults. Then the non-empty
-environment variables in `ENV_OVERRIDES` replace single keys.
+environment variables in `ENV_OVERRIDES` replace single keys; they are converted to the
+key's type and checked against its constraints like a value from the file (a list of
+strings is written comma-separated: `FILA_ETCD_ENDPOINTS=10.0.0.1:2379,10.0.0.2:2379`).
+
+`[cluster]` (SPEC 9) is off while `node_id` is 0, its default; a cluster setting given
+without a node id is refused rather than ignored, and a node id without the settings a
+node cannot run without (`advertise_addr`, `etcd_endpoints`) is refused too.
 """
 
 from __future__ import annotations
@@ -155,6 +161,21 @@ class AuthSection:
 
 
 @dataclass(frozen=True, slots=True)
+class ClusterSection:
+    # 0 = cluster mode off (one node, SPEC 1-8); > 0 = this node's unique id (SPEC 9)
+    node_id: Annotated[int, AtLeast(0)] = 0
+    advertise_addr: str = ""
+    etcd_endpoints: tuple[str, ...] = ()
+    etcd_prefix: str = "/fila"
+    # etcd grants whole seconds and no lease shorter than about 2 s (its minimum TTL)
+    lease_ttl_ms: Annotated[int, AtLeast(2000), AtMost(3_600_000)] = 5000
+
+    @property
+    def enabled(self) -> bool:
+        return self.node_id > 0
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     server: ServerSection = field(default_factory=ServerSection)
     storage: StorageSection = field(default_factory=StorageSection)
@@ -163,6 +184,7 @@ class Config:
     telemetry: TelemetrySection = field(default_factory=TelemetrySection)
     tls: TlsSection = field(default_factory=TlsSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    cluster: ClusterSection = field(default_factory=ClusterSection)
 
 
 class ConfigError(Exception):
@@ -174,6 +196,9 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "FILA_DATA_DIR": ("storage", "data_dir"),
     "FILA_LISTEN_ADDR": ("server", "listen_addr"),
     "FILA_BOOTSTRAP_APIKEY": ("auth", "bootstrap_apikey"),
+    "FILA_NODE_ID": ("cluster", "node_id"),
+    "FILA_ADVERTISE_ADDR": ("cluster", "advertise_addr"),
+    "FILA_ETCD_ENDPOINTS": ("cluster", "etcd_endpoints"),
 }
 
 # Looked for, in order, when neither --config nor FILA_CONFIG names a file.
@@ -185,6 +210,7 @@ _TOML_TYPE_NAMES: dict[type, str] = {
     float: "a float",
     str: "a string",
     list: "an array",
+    tuple: "an array of strings",
     dict: "a table",
 }
 
@@ -238,11 +264,74 @@ def load_config(cli_path: str | None, env: Mapping[str, str]) -> tuple[Config, P
             reason = exc.strerror if isinstance(exc, OSError) else str(exc)
             raise ConfigError(f"{path}: cannot read config file: {reason}") from None
         config = parse_config(text, str(path))
+    overridden = []
     for var, (section, key) in ENV_OVERRIDES.items():
-        if value := env.get(var):
+        if raw := env.get(var):
+            value = _env_value(_fields(Config)[section][0], key, var, raw)
             patched = dataclasses.replace(getattr(config, section), **{key: value})
             config = dataclasses.replace(config, **{section: patched})
+            overridden.append(var)
+    # Checked once the environment applied: one file may serve every node, each node
+    # giving its own FILA_NODE_ID and FILA_ADVERTISE_ADDR.
+    source = str(path) if path is not None else "built-in defaults"
+    _check_cluster(config, f"{source} (with {', '.join(overridden)})" if overridden else source)
     return config, path
+
+
+def _env_value(section_cls: type, key: str, var: str, raw: str) -> Any:
+    """An environment override converted to its key's type and checked like a file value."""
+    base, markers = _fields(section_cls)[key]
+    value: Any = raw
+    if base is int:
+        try:
+            value = int(raw)
+        except ValueError:
+            raise ConfigError(f'{var} must be an integer, got "{raw[:40]}"') from None
+    elif get_origin(base) is tuple:
+        value = [part.strip() for part in raw.split(",") if part.strip()]
+    _check(base, markers, var, value, "environment")
+    return tuple(value) if isinstance(value, list) else value
+
+
+def _check_cluster(config: Config, source: str) -> None:
+    """`[cluster]` is all or nothing: see the module docstring."""
+    cluster = config.cluster
+    if not cluster.enabled:
+        given = [k for k in ("advertise_addr", "etcd_endpoints") if getattr(cluster, k)]
+        if given:
+            raise ConfigError(
+                f'{source}: "cluster.{given[0]}" is set but "cluster.node_id" is not: set '
+                "node_id (an integer > 0, unique in the cluster, or FILA_NODE_ID) to run in "
+                "cluster mode, or remove the [cluster] settings to run a single node"
+            )
+        return
+    if not _is_host_port(cluster.advertise_addr):
+        raise ConfigError(
+            f'{source}: cluster mode needs "cluster.advertise_addr" (or FILA_ADVERTISE_ADDR), '
+            f"the host:port clients and other nodes reach this node at, got "
+            f'"{cluster.advertise_addr[:60]}"'
+        )
+    if not cluster.etcd_endpoints:
+        raise ConfigError(
+            f'{source}: cluster mode needs "cluster.etcd_endpoints" (or FILA_ETCD_ENDPOINTS), '
+            'e.g. ["127.0.0.1:2379"]'
+        )
+    for endpoint in cluster.etcd_endpoints:
+        if not _is_host_port(endpoint):
+            raise ConfigError(
+                f'{source}: "cluster.etcd_endpoints" entries are host:port, got "{endpoint[:60]}"'
+            )
+    prefix = cluster.etcd_prefix
+    if not prefix.startswith("/") or prefix.endswith("/") or len(prefix) < 2:
+        raise ConfigError(
+            f'{source}: "cluster.etcd_prefix" must start with "/" and not end with it '
+            f'(e.g. "/fila"), got "{prefix[:60]}"'
+        )
+
+
+def _is_host_port(text: str) -> bool:
+    host, sep, port = text.rpartition(":")
+    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
 
 
 def _find(cli_path: str | None, env: Mapping[str, str]) -> Path | None:
@@ -274,6 +363,8 @@ def _section(cls: type, section: str, table: dict[str, Any], source: str) -> Any
             raise ConfigError(f'{source}: unknown key "{section}.{key}"')
     for key, value in table.items():
         _check(schema[key][0], schema[key][1], f"{section}.{key}", value, source)
+        if isinstance(value, list):
+            table = {**table, key: tuple(value)}
     for key, (_, markers) in schema.items():
         for marker in markers:
             if isinstance(marker, Requires) and table.get(key):
@@ -290,6 +381,10 @@ def _check(base: Any, markers: tuple[object, ...], key: str, value: Any, source:
         if value not in choices:
             allowed = ", ".join(f'"{c}"' for c in choices)
             raise ConfigError(f'{source}: "{key}" must be one of {allowed}, got {_toml(value)}')
+        return
+    if get_origin(base) is tuple:  # tuple[str, ...]: a TOML array of strings
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f'{source}: "{key}" must be an array of strings, got {_toml(value)}')
         return
     accepted: tuple[type, ...] = (int, float) if base is float else (base,)
     if type(value) not in accepted:

@@ -10,6 +10,9 @@ from enum import StrEnum
 from typing import Final
 
 ERROR_KIND_METADATA_KEY: Final = "x-fila-error-kind"
+# Cluster mode (SPEC 9): where a queue's owner is, on a Consume/StreamConsume refused
+# with UNAVAILABLE by another node; the published clients reconnect there.
+LEADER_ADDR_METADATA_KEY: Final = "x-fila-leader-addr"
 DEFAULT_ADDR: Final = "localhost:5555"
 DEFAULT_LISTEN_ADDR: Final = "127.0.0.1:5555"
 

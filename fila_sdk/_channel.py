@@ -110,14 +110,17 @@ def map_rpc_error(err: grpc.RpcError, rpc: str) -> FilaError:
     return _BY_CODE.get(code, RPCError)(message, code)
 
 
+def from_broker(err: grpc.RpcError) -> bool:
+    """The broker's own answer (it carries `x-fila-error-kind`), not the transport's."""
+    trailers = cast(Iterable[tuple[str, str | bytes]], err.trailing_metadata() or ())
+    return any(key == ERROR_KIND_METADATA_KEY for key, _ in trailers)
+
+
 def interrupted(err: grpc.RpcError) -> bool:
     """A stream that grpc.aio reports as INTERNAL without the broker's error kind: the
     broker ended it while the client was writing, and the real status was lost (see
-    `fila_sdk.streams.method_missing`). The broker's own INTERNAL carries its kind."""
-    if err.code() != grpc.StatusCode.INTERNAL:
-        return False
-    trailers = cast(Iterable[tuple[str, str | bytes]], err.trailing_metadata() or ())
-    return all(key != ERROR_KIND_METADATA_KEY for key, _ in trailers)
+    `fila_sdk.streams.stream_ending`). The broker's own INTERNAL carries its kind."""
+    return err.code() == grpc.StatusCode.INTERNAL and not from_broker(err)
 
 
 def map_batch_error(error: service_pb2.BatchError, rpc: str) -> FilaError:

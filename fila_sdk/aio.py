@@ -6,7 +6,8 @@ The hot path rides the batch paths of SPEC 1 wherever the caller allows it:
 (`fila_sdk.batching`), `enqueue_many` / `ack_many` / `nack_many` as chunked batch
 calls, `consume(prefetch=, max_batch=)` with several messages per frame. Against a
 broker without those RPCs (`UNIMPLEMENTED`) each falls back to the unary calls for
-good. `consume` survives broker restarts (`fila_sdk.retry`).
+good. `consume` survives broker restarts (`fila_sdk.retry`) and, in a cluster, opens
+its stream on the queue's node (`fila_sdk.leader`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ from .errors import (
     QueueAlreadyExistsError,
     UnavailableError,
 )
+from .leader import AsyncLeaders, Follower
 from .retry import Reconnector, async_probe, retryable
 from .streams import Producer
 from .types import (
@@ -138,6 +140,7 @@ class AsyncClient:
             service_pb2_grpc.FilaServiceStub(c) for c in self._channels
         ]
         self._service = self._services[0]
+        self._leaders = AsyncLeaders(settings, self._service)  # cluster mode's owners
         self._admin = admin_pb2_grpc.FilaAdminStub(self._channel)
         self._turn = 0
         self._closed = False
@@ -183,6 +186,7 @@ class AsyncClient:
                 await coalescer.aclose()
         for channel in self._channels:
             await channel.close(None)
+        await self._leaders.close()
 
     async def wait_ready(self, timeout: float) -> None:  # noqa: ASYNC109 (mirrors Client)
         """Wait until the broker accepts a connection; see `Client.wait_ready`."""
@@ -305,14 +309,17 @@ class AsyncClient:
             self._settings.target,
             self._settings.reconnect_timeout,
         )
+        follower = Follower(self._leaders, f"consumer of {request.queue!r}")  # cluster mode
         from_proto = Message.from_proto
         while True:
-            call = self._service.Consume(request, metadata=self._settings.metadata)
+            call = follower.service.Consume(request, metadata=self._settings.metadata)
             error: FilaError
             try:
                 async for response in call:
                     if reconnector.backing_off:
                         reconnector.delivered()
+                    if follower.hops:
+                        follower.delivered()
                     batch = response.messages
                     if batch:
                         for message in batch:
@@ -323,6 +330,9 @@ class AsyncClient:
             except grpc.RpcError as err:
                 if self._closed:
                     return
+                if follower.follow(err):  # the queue's owner is elsewhere: consume there
+                    continue
+                follower.lost()
                 error = map_rpc_error(err, "Consume")
                 if not retryable(error):
                     raise error from err

@@ -9,8 +9,9 @@ from many threads coalesce into the same requests. The cost is a second
 connection to the broker for those streams, and a thread hand-off per `enqueue`
 (tens of microseconds, against a round trip to the broker).
 
-`consume` stays a plain server stream read in the caller's thread, and outlives
-broker restarts (see `fila_sdk.retry`).
+`consume` stays a plain server stream read in the caller's thread, outlives
+broker restarts (see `fila_sdk.retry`) and, in a cluster, follows the queue to its
+node (see `fila_sdk.leader`).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ from .batching import (
     settle_results,
 )
 from .errors import ClientClosedError, FilaError, QueueAlreadyExistsError, UnavailableError
+from .leader import Follower, SyncLeaders
 from .retry import Reconnector, retryable, sync_probe
 from .types import (
     Acl,
@@ -106,6 +108,7 @@ class Client:
         self._channel = self._channels[0]
         self._services = [service_pb2_grpc.FilaServiceStub(c) for c in self._channels]
         self._service = self._services[0]
+        self._leaders = SyncLeaders(self._settings, self._service)  # cluster mode's owners
         self._admin = admin_pb2_grpc.FilaAdminStub(self._channel)
         self._turn = 0
         self._closed = False
@@ -150,6 +153,7 @@ class Client:
             loop.stop()
         for channel in self._channels:
             channel.close()
+        self._leaders.close()
 
     def wait_ready(self, timeout: float) -> None:
         """Block until the broker accepts a connection, so that callers (a CLI, a test,
@@ -287,10 +291,11 @@ class Client:
             self._settings.target,
             self._settings.reconnect_timeout,
         )
+        follower = Follower(self._leaders, f"consumer of {request.queue!r}")  # cluster mode
         from_proto = Message.from_proto
         while True:
             try:
-                call = self._service.Consume(request, metadata=self._settings.metadata)
+                call = follower.service.Consume(request, metadata=self._settings.metadata)
             except ValueError:  # the channel was closed meanwhile
                 if self._closed:
                     return
@@ -300,6 +305,8 @@ class Client:
                 for response in call:
                     if reconnector.backing_off:
                         reconnector.delivered()
+                    if follower.hops:
+                        follower.delivered()
                     batch = response.messages
                     if batch:
                         for message in batch:
@@ -310,6 +317,9 @@ class Client:
             except grpc.RpcError as err:
                 if self._closed:
                     return
+                if follower.follow(err):  # the queue's owner is elsewhere: consume there
+                    continue
+                follower.lost()
                 error = map_rpc_error(err, "Consume")
                 if not retryable(error):
                     raise error from err

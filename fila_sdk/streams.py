@@ -32,7 +32,7 @@ import grpc.aio
 
 from fila.v1 import service_pb2, service_pb2_grpc
 
-from ._channel import interrupted, map_batch_error, map_rpc_error
+from ._channel import from_broker, interrupted, map_batch_error, map_rpc_error
 from .batching import MAX_BATCH_BYTES, MESSAGE_OVERHEAD_BYTES
 from .errors import ClientClosedError, FilaError, RPCError, UnavailableError
 
@@ -78,26 +78,35 @@ def resolve(
             waiter.set_exception(map_batch_error(result.error, "Enqueue"))
 
 
-async def method_missing(open_stream: Callable[[], grpc.aio.StreamStreamCall[Any, Any]]) -> bool:
-    """Whether the broker lacks a bidi-stream RPC: opens it, half-closes it at once and
-    reads how it ends (UNIMPLEMENTED, or OK from a broker that has it).
+async def stream_ending(
+    open_stream: Callable[[], grpc.aio.StreamStreamCall[Any, Any]],
+) -> grpc.RpcError | None:
+    """How the broker ends a bidi-stream RPC opened and half-closed at once: its error,
+    or None if it ended cleanly (a broker that has the method and accepts the caller).
 
     Needed because grpc.aio loses the status of a stream the server ended while the
     client was writing to it (a broker without the method answers UNIMPLEMENTED at
-    once; one shutting down answers UNAVAILABLE): the failed write replaces it with
-    INTERNAL "Internal error from Core". Asking again without writing cannot race."""
+    once; one shutting down answers UNAVAILABLE; a revoked key is refused with
+    UNAUTHENTICATED): the failed write replaces it with INTERNAL "Internal error from
+    Core". Asking again without writing cannot race."""
     call = open_stream()
     try:
         await call.done_writing()
         async for _ in call:
             pass
     except grpc.RpcError as err:
-        return bool(err.code() == grpc.StatusCode.UNIMPLEMENTED)
+        return err
     except CALL_ENDED:
-        return False
+        return None
     finally:
         call.cancel()
-    return False
+    return None
+
+
+async def method_missing(open_stream: Callable[[], grpc.aio.StreamStreamCall[Any, Any]]) -> bool:
+    """Whether the broker lacks a bidi-stream RPC (see `stream_ending`)."""
+    ending = await stream_ending(open_stream)
+    return ending is not None and ending.code() == grpc.StatusCode.UNIMPLEMENTED
 
 
 def fail(waiters: Sequence[asyncio.Future[str]], error: BaseException) -> None:
@@ -157,22 +166,23 @@ class _EnqueueStream:
                 if entry is not None:
                     resolve(entry[1], response.results)
         except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED or (
-                not answered and interrupted(err) and await self._producer.stream_missing()
-            ):
+            real = err
+            if not answered and interrupted(err):  # the status was lost: ask again
+                real = await self._producer.stream_ending() or err
+            if real.code() == grpc.StatusCode.UNIMPLEMENTED:
                 self.alive = False
                 requests = [request for request, _ in inflight.values()]
                 batches = [waiters for _, waiters in inflight.values()]
                 inflight.clear()
                 await self._producer.fall_back(requests, batches)
                 return
-            if interrupted(err):
+            if interrupted(real) or (real is not err and not from_broker(real)):
                 error = UnavailableError(
                     f"the enqueue stream was interrupted ({err.details()})",
                     grpc.StatusCode.UNAVAILABLE,
                 )
-            else:
-                error = map_rpc_error(err, "Enqueue")
+            else:  # as the broker answered (a refused key, say), not as the write failed
+                error = map_rpc_error(real, "Enqueue")
         except asyncio.CancelledError:
             error = ClientClosedError()
             raise
@@ -272,11 +282,11 @@ class Producer:
         stream.send(request, waiters)
         self.requests_sent += 1
 
-    async def stream_missing(self) -> bool:
-        """Whether a stream that failed before any answer did so because the broker
-        has no StreamEnqueue (see `method_missing`)."""
+    async def stream_ending(self) -> grpc.RpcError | None:
+        """How a StreamEnqueue ends when nothing is written: why a stream that failed
+        before any answer failed (see `fila_sdk.streams.stream_ending`)."""
         stub = self._stubs[0]
-        return await method_missing(lambda: stub.StreamEnqueue(metadata=self._metadata))  # type: ignore[call-arg]
+        return await stream_ending(lambda: stub.StreamEnqueue(metadata=self._metadata))  # type: ignore[call-arg]
 
     async def fall_back(
         self, requests: Sequence[service_pb2.StreamEnqueueRequest], waiters: Sequence[Waiters]

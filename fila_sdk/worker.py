@@ -32,6 +32,9 @@ How it works, and why:
   `AckBatch` / `NackBatch` (after a crash the broker still holds their leases).
   Buffered messages not yet started are dropped: the broker puts them back at
   once after a clean shutdown, and at their visibility timeout after a crash.
+- Cluster mode: the stream is opened on the queue's node, wherever the client was
+  pointed (`fila_sdk.leader`); settlements ride that stream, and orphans settled by
+  unary call reach the owner through any node.
 - `stop()` (or leaving `async with` / `with`, or SIGINT/SIGTERM with
   `stop_on_signals`) stops taking messages, lets running handlers finish within
   `grace_period`, settles them, then closes the stream: the broker returns what
@@ -58,7 +61,7 @@ from typing import Any, Final, Self, overload
 
 import grpc
 
-from fila.v1 import service_pb2
+from fila.v1 import service_pb2, service_pb2_grpc
 
 from ._channel import interrupted, map_rpc_error, milliseconds
 from .aio import AsyncClient
@@ -71,6 +74,7 @@ from .errors import (
     RPCError,
     UnavailableError,
 )
+from .leader import Follower
 from .retry import AsyncProbe, Reconnector, async_probe, retryable
 from .streams import CALL_ENDED, method_missing
 from .types import Message
@@ -142,8 +146,13 @@ class _Options:
 class _Session:
     """One `StreamConsume` call: the opening request, then settlements as they come."""
 
-    def __init__(self, client: AsyncClient, options: _Options) -> None:
-        service = client._next_service()
+    def __init__(
+        self,
+        client: AsyncClient,
+        options: _Options,
+        service: service_pb2_grpc.FilaServiceAsyncStub | None = None,  # a queue's owner
+    ) -> None:
+        service = service or client._next_service()
         self.call = service.StreamConsume(metadata=client.settings.metadata)  # type: ignore[call-arg]
         self._opening = service_pb2.StreamConsumeRequest(
             queue=options.queue, prefetch=options.prefetch, max_batch=options.max_batch
@@ -383,15 +392,20 @@ class _Engine:
             f"worker on {options.queue!r}", settings.target, settings.reconnect_timeout
         )
         probe = async_probe(client._channel)
+        follower = Follower(client._leaders, f"worker on {options.queue!r}")  # cluster mode
         from_proto = Message.from_proto
         while True:
-            session = self._session = _Session(client, options)
+            owner = follower.service if follower.addr else None  # else round-robin, as ever
+            session = self._session = _Session(client, options, owner)
             writer = self._loop.create_task(session.write())
             error: FilaError | None = None
+            redirected = False
             try:
                 async for frame in session.call:
                     if reconnector.backing_off:
                         reconnector.delivered()
+                    if follower.hops:
+                        follower.delivered()
                     batch = frame.messages
                     if batch:
                         self._deliver([from_proto(m) for m in batch])
@@ -399,7 +413,10 @@ class _Engine:
                         self._deliver([from_proto(frame.message)])
             except grpc.RpcError as err:
                 self._session = None  # (see below) before `_stream_error` awaits
-                error = await self._stream_error(err)
+                redirected = follower.follow(err)
+                if not redirected:
+                    follower.lost()
+                    error = await self._stream_error(err)
             except asyncio.CancelledError:
                 # grpc.aio ends a call whose channel was closed with CancelledError:
                 # that one means the client was closed, not this task cancelled.
@@ -418,6 +435,9 @@ class _Engine:
                 return
             if client.closed:
                 raise ClientClosedError("the client was closed under a running worker")
+            if redirected:  # the queue's owner is elsewhere: open the stream there now
+                self._connected.set()
+                continue
             if error is None:
                 error = UnavailableError("the broker ended the stream", grpc.StatusCode.UNAVAILABLE)
             if isinstance(error, MessageNotFoundError):

@@ -242,3 +242,74 @@ def test_env_overrides_the_file(no_system_config: Path) -> None:
 def test_empty_env_values_are_ignored(no_system_config: Path) -> None:
     empty = dict.fromkeys([*ENV, "FILA_CONFIG"], "")
     assert load_config(None, empty) == (Config(), None)
+
+
+# --- [cluster] (SPEC 9) ---------------------------------------------------------------
+
+CLUSTER = (
+    '[cluster]\nnode_id = 2\nadvertise_addr = "10.0.0.2:5555"\n'
+    'etcd_endpoints = ["10.0.0.9:2379", "10.0.0.10:2379"]\n'
+)
+
+
+def test_cluster_mode_is_off_by_default_and_on_with_a_node_id(no_system_config: Path) -> None:
+    assert not Config().cluster.enabled
+    Path("fila.toml").write_text(CLUSTER, encoding="utf-8")
+    config, _ = load_config(None, {})
+    cluster = config.cluster
+    assert cluster.enabled
+    assert (cluster.node_id, cluster.advertise_addr) == (2, "10.0.0.2:5555")
+    assert cluster.etcd_endpoints == ("10.0.0.9:2379", "10.0.0.10:2379")
+    assert (cluster.etcd_prefix, cluster.lease_ttl_ms) == ("/fila", 5000)
+
+
+def test_cluster_env_overrides_are_typed(no_system_config: Path) -> None:
+    # One file for every node, each node naming itself in its environment.
+    Path("fila.toml").write_text('[cluster]\netcd_endpoints = ["e:1"]\n', encoding="utf-8")
+    config, _ = load_config(
+        None,
+        {
+            "FILA_NODE_ID": "7",
+            "FILA_ADVERTISE_ADDR": "n7:5555",
+            "FILA_ETCD_ENDPOINTS": "a:2379, b:2379,",
+        },
+    )
+    assert config.cluster.node_id == 7
+    assert config.cluster.advertise_addr == "n7:5555"
+    assert config.cluster.etcd_endpoints == ("a:2379", "b:2379")
+    with pytest.raises(ConfigError, match='FILA_NODE_ID must be an integer, got "seven"'):
+        load_config(None, {"FILA_NODE_ID": "seven"})
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (
+            '[cluster]\nadvertise_addr = "a:1"',
+            '"cluster.advertise_addr" is set but "cluster.node_id"',
+        ),
+        ("[cluster]\nnode_id = 1", 'needs "cluster.advertise_addr"'),
+        ('[cluster]\nnode_id = 1\nadvertise_addr = "nohost"', 'needs "cluster.advertise_addr"'),
+        ('[cluster]\nnode_id = 1\nadvertise_addr = "a:1"', 'needs "cluster.etcd_endpoints"'),
+        (
+            '[cluster]\nnode_id = 1\nadvertise_addr = "a:1"\netcd_endpoints = [1]',
+            '"cluster.etcd_endpoints" must be an array of strings',
+        ),
+        (
+            '[cluster]\nnode_id = 1\nadvertise_addr = "a:1"\netcd_endpoints = ["e"]',
+            "entries are host:port",
+        ),
+        (
+            '[cluster]\nnode_id = 1\nadvertise_addr = "a:1"\netcd_endpoints = ["e:1"]\n'
+            'etcd_prefix = "fila/"',
+            '"cluster.etcd_prefix" must start with "/"',
+        ),
+        ("[cluster]\nlease_ttl_ms = 500", '"cluster.lease_ttl_ms" must be >= 2000'),
+        ("[cluster]\nnode_id = -1", '"cluster.node_id" must be >= 0'),
+    ],
+)
+def test_bad_cluster_settings_stop_startup(no_system_config: Path, text: str, needle: str) -> None:
+    Path("fila.toml").write_text(text, encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"fila\.toml") as raised:
+        load_config(None, {})
+    assert needle in str(raised.value)

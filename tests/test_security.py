@@ -164,6 +164,7 @@ def test_rules_cover_every_rpc_with_the_spec_kind() -> None:
             "SetConfig",
             "GetConfig",
             "ListConfig",
+            "ClusterStatus",  # SPEC 9: an operator's view of the cluster, like config
         },
     }
     for kind, names in expected.items():

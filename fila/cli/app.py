@@ -11,7 +11,7 @@ import click
 from click.exceptions import NoArgsIsHelpError
 
 from fila import __version__
-from fila.cli import acl, apikey, config, messages, queue, redrive
+from fila.cli import acl, apikey, cluster, config, messages, queue, redrive
 from fila.cli import health as health_module
 from fila.cli.context import Group, Options
 from fila.cli.errors import UsageFailure, broker_failure
@@ -28,6 +28,7 @@ COMMANDS: tuple[click.Command, ...] = (
     health_module.health,
     apikey.apikey,
     acl.acl,
+    cluster.cluster,
     dashboard,
 )
 

@@ -9,7 +9,7 @@ from typing import Final
 
 import click
 
-from fila.cli import live
+from fila.cli import live, raw
 from fila.cli.connection import connect
 from fila.cli.context import F, group
 from fila.cli.errors import Failure
@@ -110,27 +110,29 @@ def queue_delete(ctx: click.Context, name: str) -> None:
 @_watch_options
 @click.pass_context
 def queue_list(ctx: click.Context, watch: bool, interval: float, iterations: int | None) -> None:
-    """List queues with their depth, in-flight count and consumers."""
+    """List queues with their depth, in-flight count and consumers (and, in cluster
+    mode, the node each lives on)."""
     client = connect(ctx)
     if not watch:
-        queues = client.list_queues()
-        emit(ctx, queues_json(queues), queues_table(queues) if queues else "No queues.")
+        queues, nodes = raw.queues(client)
+        table = queues_table(queues, nodes=nodes) if queues else "No queues."
+        emit(ctx, queues_json(queues, nodes=nodes), table)
         return
     samples: dict[str, Sample] = {}
 
     def frame() -> live.Frame:
-        queues, rated = _list_with_rates(client, samples)
-        return queues_json(queues, rated), queues_table(queues, rated)
+        queues, nodes, rated = _list_with_rates(client, samples)
+        return queues_json(queues, rated, nodes), queues_table(queues, rated, nodes)
 
     live.watch(ctx, frame, interval=interval, iterations=iterations)
 
 
 def _list_with_rates(
     client: Client, samples: dict[str, Sample]
-) -> tuple[list[QueueInfo], dict[str, Rates]]:
+) -> tuple[list[QueueInfo], dict[str, int], dict[str, Rates]]:
     """ListQueues, then GetStats per queue for its counters (ListQueues has none);
     `samples` carries each queue's previous sample from one refresh to the next."""
-    queues = client.list_queues()
+    queues, nodes = raw.queues(client)
     rated: dict[str, Rates] = {}
     for q in queues:
         try:
@@ -142,7 +144,7 @@ def _list_with_rates(
         samples[q.name] = current
     for gone in samples.keys() - rated.keys():
         del samples[gone]
-    return queues, rated
+    return queues, nodes, rated
 
 
 @queue.command("inspect")
@@ -152,19 +154,24 @@ def _list_with_rates(
 def queue_inspect(
     ctx: click.Context, name: str, watch: bool, interval: float, iterations: int | None
 ) -> None:
-    """Show live scheduling stats and counters for queue NAME."""
+    """Show live scheduling stats and counters for queue NAME (and, in cluster mode,
+    its node)."""
     client = connect(ctx)
     if not watch:
-        stats = client.get_stats(name)
-        emit(ctx, stats_json(name, stats), inspect_view(name, stats))
+        stats, node = raw.stats(client, name)
+        emit(ctx, stats_json(name, stats, node=node), inspect_view(name, stats, node=node))
         return
     previous: list[Sample] = []
 
     def frame() -> live.Frame:
-        current = Sample(time.monotonic(), client.get_stats(name))
+        stats, node = raw.stats(client, name)
+        current = Sample(time.monotonic(), stats)
         rated = rates(previous[-1] if previous else None, current)
         previous[:] = [current]
-        return stats_json(name, current.stats, rated), inspect_view(name, current.stats, rated)
+        return (
+            stats_json(name, current.stats, rated, node),
+            inspect_view(name, current.stats, rated, node),
+        )
 
     live.watch(ctx, frame, interval=interval, iterations=iterations)
 

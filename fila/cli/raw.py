@@ -8,7 +8,9 @@ place in the CLI that reaches into the client:
 - an enqueue with `EnqueueRequest.delay_ms` (`fila enqueue --delay`), without
   depending on the shape the SDK's own `enqueue` takes for delays;
 - a Consume stream with `prefetch=1` (`fila tail --ack`), so that a tail stopped
-  with Ctrl-C holds at most the one message it was printing.
+  with Ctrl-C holds at most the one message it was printing;
+- cluster mode (SPEC 9): `ClusterStatus`, and each queue's node (`leader_node_id`,
+  which the SDK's records leave out) for `queue list` and `queue inspect`.
 """
 
 from __future__ import annotations
@@ -18,8 +20,8 @@ from collections.abc import Generator, Mapping
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from fila.v1 import service_pb2
-from fila_sdk import Client, Message
+from fila.v1 import admin_pb2, service_pb2
+from fila_sdk import Client, Message, QueueInfo, QueueStats
 from fila_sdk._channel import map_rpc_error
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -71,3 +73,20 @@ def consume(client: Client, queue: str, prefetch: int) -> Generator[Message, Non
         raise map_rpc_error(err, "Consume") from err
     finally:
         call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves it untyped
+
+
+def queues(client: Client) -> tuple[list[QueueInfo], dict[str, int]]:
+    """ListQueues: the queues, and each one's node (0 everywhere on a single node)."""
+    reply = client._unary(client._admin.ListQueues, admin_pb2.ListQueuesRequest())
+    nodes = {q.name: int(q.leader_node_id) for q in reply.queues}
+    return [QueueInfo.from_proto(q) for q in reply.queues], nodes
+
+
+def stats(client: Client, queue: str) -> tuple[QueueStats, int]:
+    """GetStats: the queue's stats, and its node (0 on a single node)."""
+    reply = client._unary(client._admin.GetStats, admin_pb2.GetStatsRequest(queue=queue))
+    return QueueStats.from_proto(reply), int(reply.leader_node_id)
+
+
+def cluster_status(client: Client) -> admin_pb2.ClusterStatusResponse:
+    return client._unary(client._admin.ClusterStatus, admin_pb2.ClusterStatusRequest())

@@ -1,7 +1,13 @@
-"""How queues and their stats look, once with totals and, in watch mode, with rates."""
+"""How queues and their stats look, once with totals and, in watch mode, with rates.
+
+In cluster mode (SPEC 9) every queue lives on one node: `nodes` maps queue names to
+their node ids, and a `node` column (a `node` key in JSON) appears only when some
+queue has a node, so single-node output is exactly what it always was.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -21,12 +27,20 @@ def percent(value: float | None) -> str:
     return "-" if value is None else f"{value:.0%}"
 
 
-def queues_table(queues: list[QueueInfo], rates: dict[str, Rates] | None = None) -> Table:
-    """The `queue list` table; with `rates` (watch mode), enqueue/deliver/ack rates."""
+def queues_table(
+    queues: list[QueueInfo],
+    rates: dict[str, Rates] | None = None,
+    nodes: Mapping[str, int] | None = None,
+) -> Table:
+    """The `queue list` table; with `rates` (watch mode), enqueue/deliver/ack rates;
+    with `nodes` (cluster mode), each queue's node."""
+    clustered = _clustered(nodes)
     extra = ("enq/s", "deliv/s", "ack/s") if rates is not None else ()
-    table = numbers_table("name", "depth", "in-flight", "consumers", *extra)
+    table = numbers_table("name", *(("node",) if clustered else ()), "depth", "in-flight",
+                          "consumers", *extra)  # fmt: skip
     for q in queues:
-        row = [q.name, str(q.depth), str(q.in_flight), str(q.active_consumers)]
+        row = [q.name, *([str(nodes.get(q.name, "-"))] if nodes is not None and clustered else [])]
+        row += [str(q.depth), str(q.in_flight), str(q.active_consumers)]
         if rates is not None:
             counters = rates[q.name].counters if q.name in rates else {}
             row += [per_second(counters.get(n)) for n in ("enqueued", "delivered", "acked")]
@@ -34,8 +48,15 @@ def queues_table(queues: list[QueueInfo], rates: dict[str, Rates] | None = None)
     return table
 
 
-def queues_json(queues: list[QueueInfo], rates: dict[str, Rates] | None = None) -> list[Any]:
+def queues_json(
+    queues: list[QueueInfo],
+    rates: dict[str, Rates] | None = None,
+    nodes: Mapping[str, int] | None = None,
+) -> list[Any]:
     rows: list[dict[str, Any]] = [asdict(q) for q in queues]
+    if nodes is not None and _clustered(nodes):
+        for row in rows:
+            row["node"] = nodes.get(row["name"], 0)
     if rates is not None:
         for row in rows:
             found = rates.get(row["name"])
@@ -43,18 +64,28 @@ def queues_json(queues: list[QueueInfo], rates: dict[str, Rates] | None = None) 
     return rows
 
 
-def stats_json(name: str, stats: QueueStats, rates: Rates | None = None) -> dict[str, Any]:
-    data: dict[str, Any] = {"name": name, **asdict(stats)}
+def _clustered(nodes: Mapping[str, int] | None) -> bool:
+    return nodes is not None and any(nodes.values())
+
+
+def stats_json(
+    name: str, stats: QueueStats, rates: Rates | None = None, node: int = 0
+) -> dict[str, Any]:
+    data: dict[str, Any] = {"name": name, **({"node": node} if node else {}), **asdict(stats)}
     if rates is not None:
         data["rates"] = {**rates.counters, "per_key_delivered": rates.per_key}
     return data
 
 
-def inspect_view(name: str, stats: QueueStats, rates: Rates | None = None) -> RenderableType:
-    """Summary, counters (with rates in watch mode), fairness keys and throttle keys."""
+def inspect_view(
+    name: str, stats: QueueStats, rates: Rates | None = None, node: int = 0
+) -> RenderableType:
+    """Summary (with the queue's node in cluster mode), counters (with rates in watch
+    mode), fairness keys and throttle keys."""
     summary = Table.grid(padding=(0, 2))
     for label, value in (
         ("queue", name),
+        *((("node", node),) if node else ()),
         ("depth", stats.depth),
         ("in-flight", stats.in_flight),
         ("consumers", stats.active_consumers),

@@ -68,6 +68,25 @@ class Administration:
     def create_queue(
         self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
     ) -> asyncio.Future[None]:
+        record, hooks, dlq_record = self._plan_create(
+            name, on_enqueue, on_failure, visibility_timeout_ms
+        )
+        for rec, rec_hooks in ((record, hooks), (dlq_record, None)):
+            self._add_queue(rec, rec_hooks)
+            self.broker.committer.put(keys.queue_key(rec.name), rec.encode())
+        log.info("queue created", extra={"queue": name})
+        return self.broker.committer.flushed()
+
+    def check_create(
+        self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
+    ) -> None:
+        """Every check `create_queue` makes (scripts compiled), creating nothing: cluster
+        mode runs them before it claims the name in etcd."""
+        self._plan_create(name, on_enqueue, on_failure, visibility_timeout_ms)
+
+    def _plan_create(
+        self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
+    ) -> tuple[QueueRecord, QueueHooks | None, QueueRecord]:
         self.broker.check_open()
         validate_queue_name(name)
         if name.endswith(DLQ_SUFFIX):
@@ -94,12 +113,7 @@ class Administration:
         now = self.broker.clock.now_ms()
         record = QueueRecord(name, on_enqueue, on_failure, timeout, "", now)
         hooks = self._make_hooks(record)
-        dlq_record = QueueRecord(dlq_name, "", "", timeout, name, now)
-        for rec, rec_hooks in ((record, hooks), (dlq_record, None)):
-            self._add_queue(rec, rec_hooks)
-            self.broker.committer.put(keys.queue_key(rec.name), rec.encode())
-        log.info("queue created", extra={"queue": name})
-        return self.broker.committer.flushed()
+        return record, hooks, QueueRecord(dlq_name, "", "", timeout, name, now)
 
     def delete_queue(self, name: str) -> asyncio.Future[None]:
         self.broker.check_open()

@@ -456,13 +456,18 @@ class Broker:
     def close(self) -> None:
         """Stops accepting work, returns unsent deliveries and commits what is pending."""
         self._closing = True
-        for queue in list(self.queues.values()):
-            for consumer in list(queue.consumers.consumers.values()):
-                self.delivery.detach_consumer(
-                    consumer, Unavailable("broker is shutting down"), keep_sent=True
-                )
+        self.end_consumers(Unavailable("broker is shutting down"))
         self.committer.flush_now()
         self.timers.close()
+
+    def end_consumers(self, reason: BrokerError) -> None:
+        """Ends every consume stream with `reason` (at shutdown, and when a cluster node
+        loses its lease and must stop serving). Unsent deliveries go back; sent ones
+        stay leased, so their clients can still settle them with AckBatch/NackBatch
+        once the broker serves again, before their visibility timeout."""
+        for queue in list(self.queues.values()):
+            for consumer in list(queue.consumers.consumers.values()):
+                self.delivery.detach_consumer(consumer, reason, keep_sent=True)
 
 
 def _truncate(text: str, limit: int) -> str:

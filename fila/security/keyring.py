@@ -259,6 +259,29 @@ class Keyring:
             self._require_manages(caller, state, "read the ACL of")
         return state.record, state.permissions
 
+    # Changes made through other nodes (cluster mode: `fila.cluster.shared` mirrors the
+    # keys in etcd here). Idempotent: a node also sees its own changes come back.
+
+    def mirror_key(self, record: ApiKeyRecord, permissions: tuple[Permission, ...]) -> None:
+        """A key as etcd has it: added with `permissions` if new; a key already here
+        keeps its state (a record never changes after its creation)."""
+        if record.key_id not in self._by_id:
+            self._add(_KeyState(record, permissions))
+
+    def mirror_acl(self, key_id: str, permissions: tuple[Permission, ...]) -> None:
+        state = self._by_id.get(key_id)
+        if state is not None:
+            state.permissions = permissions
+
+    def mirror_remove(self, key_id: str) -> None:
+        """A key revoked through another node: it stops working here and its open
+        streams end, as after a local revocation."""
+        state = self._by_id.pop(key_id, None)
+        if state is None:
+            return
+        self._by_digest.pop(state.record.digest, None)
+        self._end(state, Unauthenticated("API key revoked"))
+
     # Internals.
 
     def _add(self, state: _KeyState) -> None:

@@ -69,7 +69,7 @@ class LocalKeyStore:
         for key, value in self._storage.scan(keys.ACL):
             key_id = keys.key_id_from_key(key)
             try:
-                acls[key_id] = _decode_acl(value)
+                acls[key_id] = decode_acl(value)
             except (ValueError, TypeError, InvalidArgument) as exc:
                 # Fail closed: the key keeps no permissions rather than guessed ones.
                 log.error(
@@ -83,7 +83,7 @@ class LocalKeyStore:
 
     def save_acl(self, key_id: str, permissions: tuple[Permission, ...]) -> Awaitable[None]:
         if permissions:
-            self._committer.put(keys.acl_key(key_id), _encode_acl(permissions))
+            self._committer.put(keys.acl_key(key_id), encode_acl(permissions))
         else:
             self._committer.delete(keys.acl_key(key_id))
         return self._committer.flushed()
@@ -94,11 +94,12 @@ class LocalKeyStore:
         return self._committer.flushed()
 
 
-def _encode_acl(permissions: tuple[Permission, ...]) -> bytes:
+def encode_acl(permissions: tuple[Permission, ...]) -> bytes:
+    """The stored form of an ACL (here and in etcd, see `fila.cluster.shared`)."""
     return json.dumps([[p.kind.value, p.pattern.text] for p in permissions]).encode()
 
 
-def _decode_acl(raw: bytes) -> tuple[Permission, ...]:
+def decode_acl(raw: bytes) -> tuple[Permission, ...]:
     doc = json.loads(raw)
     if not isinstance(doc, list):
         raise ValueError("ACL record is not a list")

@@ -240,6 +240,8 @@ RULES: Final[Mapping[str, Rule]] = {
     "/fila.v1.FilaAdmin/SetConfig": Rule(Scope.EVERY_QUEUE, Kind.ADMIN),
     "/fila.v1.FilaAdmin/GetConfig": Rule(Scope.EVERY_QUEUE, Kind.ADMIN),
     "/fila.v1.FilaAdmin/ListConfig": Rule(Scope.EVERY_QUEUE, Kind.ADMIN),
+    # The cluster's nodes and how many queues each owns: an operator's view, like config.
+    "/fila.v1.FilaAdmin/ClusterStatus": Rule(Scope.EVERY_QUEUE, Kind.ADMIN),
     # Key management: the Keyring decides (superadmins; delegation for ACLs).
     "/fila.v1.FilaAdmin/CreateApiKey": _HANDLER,
     "/fila.v1.FilaAdmin/RevokeApiKey": _HANDLER,

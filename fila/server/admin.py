@@ -192,6 +192,13 @@ class FilaAdmin:
             is_superadmin=record.is_superadmin,
         )
 
+    async def cluster_status(
+        self, request: admin_pb2.ClusterStatusRequest, context: Context
+    ) -> admin_pb2.ClusterStatusResponse:
+        """A single node is not in cluster mode; cluster mode answers this itself
+        (`fila.cluster.edge`)."""
+        return admin_pb2.ClusterStatusResponse(enabled=False)
+
     def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         a = admin_pb2
         table: dict[str, tuple[Any, Any]] = {
@@ -210,6 +217,7 @@ class FilaAdmin:
             "ListApiKeys": (a.ListApiKeysRequest, self.list_api_keys),
             "SetAcl": (a.SetAclRequest, self.set_acl),
             "GetAcl": (a.GetAclRequest, self.get_acl),
+            "ClusterStatus": (a.ClusterStatusRequest, self.cluster_status),
         }
         handlers = {name: rpc.unary(name, cls, fn) for name, (cls, fn) in table.items()}
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

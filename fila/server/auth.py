@@ -5,7 +5,9 @@ reflection must carry `authorization: Bearer <key>` (the scheme is matched
 case-insensitively, as HTTP defines it). The interceptor
 
 - refuses a missing, malformed, unknown, revoked or expired key with
-  UNAUTHENTICATED before the handler runs, so a refused call changes nothing;
+  UNAUTHENTICATED before the handler runs, so a refused call changes nothing (in
+  cluster mode an unknown key is first looked up in etcd, once: it may have been
+  created through another node a moment ago);
   the refusal is logged (peer and key fingerprint, rate-limited) and a peer that
   keeps failing waits longer for its answers (`fila.security.failures`);
 - otherwise binds the `Caller` for the handler (`fila.server.access`) and applies
@@ -29,7 +31,7 @@ import grpc
 
 from fila.config import AuthSection
 from fila.core.clock import SystemClock
-from fila.core.errors import Unauthenticated
+from fila.core.errors import BrokerError, Unauthenticated
 from fila.security.apikeys import fingerprint
 from fila.security.failures import FailureGuard
 from fila.security.keyring import Caller, Keyring, Refusal
@@ -56,8 +58,14 @@ def load_keyring(storage: Storage, committer: Committer, auth: AuthSection) -> K
     return keyring
 
 
-def auth_interceptors(keyring: Keyring) -> list[grpc.aio.ServerInterceptor]:  # type: ignore[type-arg]
-    return [AuthInterceptor(keyring)] if keyring.auth_enabled else []
+# Cluster mode: brings a key this node has not seen yet from etcd (see fila.cluster.shared).
+KeyLookup: TypeAlias = Callable[[str], Awaitable[None]]
+
+
+def auth_interceptors(
+    keyring: Keyring, lookup: KeyLookup | None = None
+) -> list[grpc.aio.ServerInterceptor]:  # type: ignore[type-arg]
+    return [AuthInterceptor(keyring, lookup=lookup)] if keyring.auth_enabled else []
 
 
 def bearer_token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | Refusal:
@@ -79,9 +87,12 @@ def peer_host(peer: str) -> str:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
-    def __init__(self, keyring: Keyring, guard: FailureGuard | None = None) -> None:
+    def __init__(
+        self, keyring: Keyring, guard: FailureGuard | None = None, lookup: KeyLookup | None = None
+    ) -> None:
         self._keyring = keyring
         self._guard = guard or FailureGuard()
+        self._lookup = lookup
 
     async def intercept_service(
         self,
@@ -96,6 +107,12 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if isinstance(token, Refusal):
             return self._refusal(handler, method, token, "-")
         caller = self._keyring.authenticate(token)
+        if caller is Refusal.UNKNOWN and self._lookup is not None:
+            try:
+                await self._lookup(token)  # created through another node a moment ago?
+            except BrokerError as exc:
+                log.warning("could not look the presented key up in etcd: %s", exc)
+            caller = self._keyring.authenticate(token)
         if isinstance(caller, Refusal):
             return self._refusal(handler, method, caller, fingerprint(token))
         return _authorized(handler, caller, access.rule_for(method))

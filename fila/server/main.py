@@ -3,7 +3,8 @@
 Shutdown order matters for durability: stop taking new work, end consume
 streams (returning unsent deliveries to their queues), let in-flight unary
 calls finish within the grace period, then commit what is pending and close
-storage.
+storage. In cluster mode (`[cluster]`, SPEC 9) the node joins the cluster before it
+listens and leaves it first when it stops (see `fila.cluster.node`).
 
 Every way startup can fail ends with one line on stderr naming the cause and the
 way out, and a documented exit code (see `ExitCode`); no traceback.
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -29,9 +31,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fila import __version__
+from fila.cluster.node import ClusterNode
 from fila.config import Config, ConfigError, default_config_text, load_config
 from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import SystemClock
+from fila.core.errors import BrokerError
 from fila.core.recovery import recover
 from fila.server import admin, service
 from fila.server.auth import auth_interceptors, load_keyring
@@ -152,9 +156,14 @@ async def serve(config: Config) -> ExitCode:
         SystemClock(),
         on_storage_failure=on_storage_failure,
     )
+    cluster: ClusterNode | None = None
     try:
         recover(broker)
-        keyring = load_keyring(storage, committer, config.auth)
+        if config.cluster.enabled:
+            cluster = ClusterNode(config, broker, storage, committer)
+            keyring = cluster.keyring
+        else:
+            keyring = load_keyring(storage, committer, config.auth)
     except CorruptionError as exc:
         committer.close()
         storage.close()
@@ -164,17 +173,29 @@ async def serve(config: Config) -> ExitCode:
             "(fila-server --repair)",
             ExitCode.DATA_DAMAGED,
         ) from None
+    if cluster is not None:
+        try:
+            await cluster.start()
+        except BrokerError as exc:
+            await cluster.close()
+            committer.close()
+            storage.close()
+            raise StartupError(f"cannot join the cluster: {exc}") from None
 
     try:
         telemetry = start_telemetry(config, broker, committer)
     except StartupError:
+        if cluster is not None:
+            await cluster.close()
         committer.close()
         storage.close()
         raise
 
     # tracing first, so refused calls are traced too
     interceptors = list(telemetry.interceptors) if telemetry is not None else []
-    interceptors += auth_interceptors(keyring)
+    interceptors += auth_interceptors(keyring, cluster.find_key if cluster else None)
+    if cluster is not None:
+        interceptors += cluster.interceptors()
     server = grpc.aio.server(
         options=server_options(config, max_connections), interceptors=interceptors
     )
@@ -208,6 +229,10 @@ async def serve(config: Config) -> ExitCode:
     await server.start()
     trimmer = HeapTrimmer()
     trimmer.start()
+    cluster_task = None
+    if cluster is not None:
+        cluster_task = asyncio.create_task(cluster.run(), name="fila-cluster")
+        cluster_task.add_done_callback(lambda task: _cluster_ended(task, stop))
     for name in ("", service.SERVICE_NAME, admin.SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     loop = asyncio.get_running_loop()
@@ -229,12 +254,19 @@ async def serve(config: Config) -> ExitCode:
 
     log.info("shutting down")
     await health_servicer.enter_graceful_shutdown()
+    if cluster is not None:
+        await cluster.leave()
     if not failure:
         broker.close()
     await server.stop(config.server.shutdown_grace_ms / 1000)
     trimmer.stop()
     if telemetry is not None:
         telemetry.shutdown()
+    if cluster is not None and cluster_task is not None:
+        cluster_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await cluster_task
+        await cluster.close()
     if not failure:
         committer.flush_now()
     committer.close()
@@ -278,6 +310,14 @@ def start_telemetry(config: Config, broker: Broker, committer: Committer) -> Tel
         },
     )
     return telemetry
+
+
+def _cluster_ended(task: asyncio.Task[None], stop: asyncio.Event) -> None:
+    """The cluster's tasks run until shutdown; one that ends before is a bug: stop (the
+    lease is no longer renewed, so the node would stop serving its queues anyway)."""
+    if not task.cancelled():
+        log.critical("cluster tasks ended unexpectedly, stopping: %r", task.exception())
+        stop.set()
 
 
 def _log_level(config: Config, env: Mapping[str, str]) -> str:

@@ -57,7 +57,10 @@ class ServerProcess:
     `env` adds to (and may override) the child's environment, from which inherited
     `FILA_*` variables are removed so the caller's shell cannot leak into a test.
     `channel_credentials` are used for the readiness check when the config enables TLS.
-    `wrapper` is an argv prefix the broker runs under (e.g. `strace -f -o FILE`).
+    `wrapper` is an argv prefix the broker runs under (e.g. `strace -f -o FILE`, or
+    `ip netns exec NS` with `host` an address inside that namespace). `port` fixes the
+    port in advance (a cluster node's advertised address must be known to write its
+    config); by default a free one is picked.
     """
 
     def __init__(
@@ -69,9 +72,12 @@ class ServerProcess:
         persist_mode: str | None = None,
         channel_credentials: grpc.ChannelCredentials | None = None,
         wrapper: list[str] | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
-        self.port = free_port()
+        self.host = host
+        self.port = port if port is not None else free_port()
         self.log_path = self.data_dir.parent / "fila-server.log"
         self.config_path: Path | None = None
         self._credentials = channel_credentials
@@ -94,7 +100,7 @@ class ServerProcess:
 
     @property
     def addr(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     @property
     def running(self) -> bool:
@@ -245,4 +251,6 @@ def _toml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, str | int | float):
         return json.dumps(value)  # JSON strings and numbers are valid TOML
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(item) for item in value) + "]"
     raise ValueError(f"cannot re-emit TOML value {value!r}")

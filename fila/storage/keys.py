@@ -17,6 +17,8 @@ fairness key.
     k<api key id utf-8>   -> API key record JSON: name, SHA-256 digest, times, superadmin
                              (see fila.security.apikeys; never the key itself)
     a<api key id utf-8>   -> ACL JSON: [[kind, pattern], ...]; absent = no permissions
+    n<name utf-8>         -> cluster identity of this data directory (cluster mode only,
+                             see fila.cluster.identity): `node_id` and `lease`, decimal
 
 Messages are keyed by id alone, not by queue, so dead-lettering and redrive
 rewrite one value in place instead of moving it between keys.
@@ -35,6 +37,7 @@ DELAY: Final = b"d"
 CONFIG: Final = b"c"
 API_KEY: Final = b"k"
 ACL: Final = b"a"
+NODE: Final = b"n"
 
 _TWO_U64: Final = struct.Struct(">QQ")
 _ONE_U64: Final = struct.Struct(">Q")
@@ -84,6 +87,10 @@ def acl_key(key_id: str) -> bytes:
 def key_id_from_key(key: bytes) -> str:
     """The API key id of an `api_key_key` or `acl_key`."""
     return key[1:].decode()
+
+
+def node_key(name: str) -> bytes:
+    return NODE + name.encode()
 
 
 def encode_lease(deadline_ms: int, leased_at_ms: int) -> bytes:

@@ -76,6 +76,7 @@ def _copy_readable(source: Rdict, target: Rdict, report: SalvageReport) -> None:
         keys.CONFIG: "config",
         keys.API_KEY: "api keys",
         keys.ACL: "acls",
+        keys.NODE: "cluster identity",
     }
     while True:
         while _valid(it):

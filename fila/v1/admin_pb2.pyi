@@ -856,3 +856,77 @@ class PurgeQueueResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PurgeQueueResponse: _TypeAlias = PurgeQueueResponse  # noqa: Y015
+
+@_typing.final
+class ClusterStatusRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterStatusRequest: _TypeAlias = ClusterStatusRequest  # noqa: Y015
+
+@_typing.final
+class ClusterNodeStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    ADVERTISE_ADDR_FIELD_NUMBER: _builtins.int
+    UP_FIELD_NUMBER: _builtins.int
+    QUEUE_COUNT_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    advertise_addr: _builtins.str
+    """Empty for a node that is down and was not seen up by the answering node."""
+    up: _builtins.bool
+    queue_count: _builtins.int
+    """Queues placed on the node (each with its dead-letter queue)."""
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+        advertise_addr: _builtins.str = ...,
+        up: _builtins.bool = ...,
+        queue_count: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_addr", b"advertise_addr", "node_id", b"node_id", "queue_count", b"queue_count", "up", b"up"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterNodeStatus: _TypeAlias = ClusterNodeStatus  # noqa: Y015
+
+@_typing.final
+class ClusterStatusResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENABLED_FIELD_NUMBER: _builtins.int
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    NODES_FIELD_NUMBER: _builtins.int
+    enabled: _builtins.bool
+    node_id: _builtins.int
+    """The node that answered."""
+    @_builtins.property
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___ClusterNodeStatus]:
+        """Live nodes, and down nodes that still own queues; by node id."""
+
+    def __init__(
+        self,
+        *,
+        enabled: _builtins.bool = ...,
+        node_id: _builtins.int = ...,
+        nodes: _abc.Iterable[Global___ClusterNodeStatus] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["enabled", b"enabled", "node_id", b"node_id", "nodes", b"nodes"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015

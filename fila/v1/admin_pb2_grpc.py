@@ -109,6 +109,11 @@ class FilaAdminStub:
                 request_serializer=fila_dot_v1_dot_admin__pb2.PurgeQueueRequest.SerializeToString,
                 response_deserializer=fila_dot_v1_dot_admin__pb2.PurgeQueueResponse.FromString,
                 _registered_method=True)
+        self.ClusterStatus = channel.unary_unary(
+                '/fila.v1.FilaAdmin/ClusterStatus',
+                request_serializer=fila_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_admin__pb2.ClusterStatusResponse.FromString,
+                _registered_method=True)
 
 
 class FilaAdminServicer:
@@ -205,6 +210,14 @@ class FilaAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ClusterStatus(self, request, context):
+        """Cluster mode (SPEC 9): the nodes this node knows, which are up, and how many
+        queues each owns. A single node answers enabled = false and no nodes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FilaAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -282,6 +295,11 @@ def add_FilaAdminServicer_to_server(servicer, server):
                     servicer.PurgeQueue,
                     request_deserializer=fila_dot_v1_dot_admin__pb2.PurgeQueueRequest.FromString,
                     response_serializer=fila_dot_v1_dot_admin__pb2.PurgeQueueResponse.SerializeToString,
+            ),
+            'ClusterStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ClusterStatus,
+                    request_deserializer=fila_dot_v1_dot_admin__pb2.ClusterStatusRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_admin__pb2.ClusterStatusResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -689,6 +707,33 @@ class FilaAdmin:
             '/fila.v1.FilaAdmin/PurgeQueue',
             fila_dot_v1_dot_admin__pb2.PurgeQueueRequest.SerializeToString,
             fila_dot_v1_dot_admin__pb2.PurgeQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ClusterStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaAdmin/ClusterStatus',
+            fila_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
+            fila_dot_v1_dot_admin__pb2.ClusterStatusResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -47,6 +47,10 @@ class FilaAdminStub:
     PeekMessages: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PeekMessagesRequest, _admin_pb2.PeekMessagesResponse]
     """Job-queue additions: browse without leasing, and empty a queue."""
     PurgeQueue: _grpc.UnaryUnaryMultiCallable[_admin_pb2.PurgeQueueRequest, _admin_pb2.PurgeQueueResponse]
+    ClusterStatus: _grpc.UnaryUnaryMultiCallable[_admin_pb2.ClusterStatusRequest, _admin_pb2.ClusterStatusResponse]
+    """Cluster mode (SPEC 9): the nodes this node knows, which are up, and how many
+    queues each owns. A single node answers enabled = false and no nodes.
+    """
 
 @_typing.type_check_only
 class FilaAdminAsyncStub(FilaAdminStub):
@@ -67,6 +71,10 @@ class FilaAdminAsyncStub(FilaAdminStub):
     PeekMessages: _aio.UnaryUnaryMultiCallable[_admin_pb2.PeekMessagesRequest, _admin_pb2.PeekMessagesResponse]  # type: ignore[assignment]
     """Job-queue additions: browse without leasing, and empty a queue."""
     PurgeQueue: _aio.UnaryUnaryMultiCallable[_admin_pb2.PurgeQueueRequest, _admin_pb2.PurgeQueueResponse]  # type: ignore[assignment]
+    ClusterStatus: _aio.UnaryUnaryMultiCallable[_admin_pb2.ClusterStatusRequest, _admin_pb2.ClusterStatusResponse]  # type: ignore[assignment]
+    """Cluster mode (SPEC 9): the nodes this node knows, which are up, and how many
+    queues each owns. A single node answers enabled = false and no nodes.
+    """
 
 class FilaAdminServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -174,5 +182,15 @@ class FilaAdminServicer(metaclass=_abc_1.ABCMeta):
         request: _admin_pb2.PurgeQueueRequest,
         context: _ServicerContext,
     ) -> _typing.Union[_admin_pb2.PurgeQueueResponse, _abc.Awaitable[_admin_pb2.PurgeQueueResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def ClusterStatus(
+        self,
+        request: _admin_pb2.ClusterStatusRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.ClusterStatusResponse, _abc.Awaitable[_admin_pb2.ClusterStatusResponse]]:
+        """Cluster mode (SPEC 9): the nodes this node knows, which are up, and how many
+        queues each owns. A single node answers enabled = false and no nodes.
+        """
 
 def add_FilaAdminServicer_to_server(servicer: FilaAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -28,6 +28,7 @@ def all_cases() -> list[Case]:
     # Imported here: the modules import keys_script from this package.
     from fila_bench.benchmarks import (
         batch,
+        cluster,
         durability,
         enqueue,
         latency,
@@ -45,6 +46,7 @@ def all_cases() -> list[Case]:
         *lua.CASES,
         *throttle.CASES,
         *resources.CASES,
+        *cluster.CASES,
         *durability.CASES,
         # The batch paths: rows of their own, not one-in-flight figures (no ratios).
         *batch.CASES,

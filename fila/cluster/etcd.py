@@ -1,0 +1,251 @@
+"""The cluster's only door to etcd: the few v3 calls cluster mode makes, typed, over
+`etcd3aio` (see the pyproject.toml comment for why that client).
+
+Nothing else imports `etcd3aio`, so its API, its retries and its errors stop here:
+callers see `Entry`, `Snapshot`, `Change` and one error, `EtcdUnavailable` (an
+UNAVAILABLE `BrokerError`), raised when etcd cannot be reached or does not answer in
+time. Every unary call has a deadline, because a node cut off from etcd must notice
+(it stops serving, see `fila.cluster.lease`) rather than wait on a call forever.
+
+Keys and prefixes are `str` (the cluster's layout is text, see `fila.cluster.layout`);
+values are bytes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Final, cast
+
+import grpc
+import grpc.aio
+from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio.kv import KVService
+
+from fila.core.errors import Unavailable
+
+log = logging.getLogger("fila.cluster")
+
+# Unary calls (reads, writes, lease grants) give up after this; keepalives pass their own.
+CALL_TIMEOUT_S: Final = 3.0
+# A watch that lost its stream reconnects after at most this (etcd3aio backs off to it).
+WATCH_MAX_BACKOFF_S: Final = 0.5
+_DELETE: Final = 1  # mvccpb.Event.EventType.DELETE
+
+
+class EtcdUnavailable(Unavailable):
+    """etcd did not answer (unreachable, no quorum, or too slow)."""
+
+
+class WatchLost(Exception):
+    """etcd cancelled the watch (a compacted revision, or the server ended it): the
+    caller must read a fresh snapshot before watching again."""
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    key: str
+    value: bytes
+    mod_revision: int
+    lease: int
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    """Every entry under a prefix, read at one `revision`."""
+
+    entries: list[Entry]
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One watch event; `value` None means the key was deleted (at `revision`)."""
+
+    key: str
+    value: bytes | None
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
+class Created:
+    """The answer of `create`: whether this call created the key, the entry that is
+    there now, and the revision of that state."""
+
+    created: bool
+    entry: Entry | None
+    revision: int
+
+
+class Etcd:
+    def __init__(self, endpoints: Sequence[str]) -> None:
+        self._endpoints = list(endpoints)
+        self._client = Etcd3Client(
+            self._endpoints,
+            # Retries within one call's deadline; beyond that the caller decides.
+            rpc_max_attempts=3,
+            watch_reconnect_backoff_seconds=0.1,
+            watch_max_reconnect_backoff_seconds=WATCH_MAX_BACKOFF_S,
+        )
+
+    @property
+    def endpoints(self) -> list[str]:
+        return self._endpoints
+
+    async def open(self) -> None:
+        await self._client.connect()
+
+    async def close(self) -> None:
+        await self._client.close()
+
+    # -- reads -----------------------------------------------------------------------
+
+    async def get(self, key: str) -> tuple[Entry | None, int]:
+        """The entry at `key` (None if absent) and the revision it was read at."""
+        response = await self._call("get", self._kv.get(key, timeout=CALL_TIMEOUT_S))
+        kvs = list(response.kvs)
+        return (_entry(kvs[0]) if kvs else None), int(response.header.revision)
+
+    async def get_prefix(self, prefix: str) -> Snapshot:
+        response = await self._call(
+            "get", self._kv.get(prefix, prefix_range_end(prefix), timeout=CALL_TIMEOUT_S)
+        )
+        return Snapshot([_entry(kv) for kv in response.kvs], int(response.header.revision))
+
+    # -- writes (each answers the revision it produced) --------------------------------
+
+    async def put(self, key: str, value: bytes, *, lease: int = 0) -> int:
+        response = await self._call(
+            "put", self._kv.put(key, value, lease=lease, timeout=CALL_TIMEOUT_S)
+        )
+        return int(response.header.revision)
+
+    async def put_many(self, items: dict[str, bytes]) -> int:
+        """Puts every item in one transaction."""
+        ops = [KVService.txn_op_put(key, value) for key, value in items.items()]
+        response = await self._call("put", self._kv.txn([], ops, timeout=CALL_TIMEOUT_S))
+        return int(response.header.revision)
+
+    async def delete(self, *keys: str) -> int:
+        """Deletes `keys` in one transaction."""
+        ops = [KVService.txn_op_delete(key) for key in keys]
+        response = await self._call("delete", self._kv.txn([], ops, timeout=CALL_TIMEOUT_S))
+        return int(response.header.revision)
+
+    async def create(self, key: str, value: bytes, *, lease: int = 0) -> Created:
+        """Puts `key` only if it does not exist (a transaction on its create revision),
+        so of two concurrent creates exactly one wins."""
+        response = await self._call(
+            "create",
+            self._kv.txn(
+                [KVService.txn_compare_create_revision(key, 0)],
+                [KVService.txn_op_put(key, value, lease=lease)],
+                [KVService.txn_op_get(key)],
+                timeout=CALL_TIMEOUT_S,
+            ),
+        )
+        revision = int(response.header.revision)
+        if response.succeeded:
+            return Created(True, Entry(key, value, revision, lease), revision)
+        kvs = list(response.responses[0].response_range.kvs) if response.responses else []
+        return Created(False, _entry(kvs[0]) if kvs else None, revision)
+
+    # -- leases ----------------------------------------------------------------------
+
+    async def grant(self, ttl_s: int) -> tuple[int, int]:
+        """A new lease: its id and the TTL etcd granted (etcd may raise a short one)."""
+        response = await self._call("lease grant", self._lease.grant(ttl_s, timeout=CALL_TIMEOUT_S))
+        return int(response.ID), int(response.TTL)
+
+    async def keepalive(self, lease: int, timeout_s: float) -> int:
+        """Renews `lease` once; its TTL from now, or 0 when etcd no longer has it."""
+        call = self._lease.keep_alive(lease)
+        try:
+            response = await self._call("lease keepalive", _first(call), timeout_s=timeout_s)
+        finally:
+            call.cancel()
+        return int(response.TTL) if response is not None else 0
+
+    async def revoke(self, lease: int) -> None:
+        """Revokes `lease` (deleting its keys); a lease etcd no longer has is fine."""
+        try:
+            await self._call("lease revoke", self._lease.revoke(lease, timeout=CALL_TIMEOUT_S))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise EtcdUnavailable(f"etcd lease revoke failed: {exc.details()}") from None
+
+    # -- watch -----------------------------------------------------------------------
+
+    async def watch(self, prefix: str, start_revision: int) -> AsyncIterator[list[Change]]:
+        """The changes under `prefix` from `start_revision` on, a batch per etcd response,
+        in revision order. Transient disconnections are retried from the next revision
+        (inside etcd3aio); `WatchLost` ends it when etcd cancels the watch."""
+        assert self._client.watch is not None, "open() first"
+        stream = self._client.watch.watch(prefix, prefix_range_end(prefix), start_revision)
+        responses = cast(AsyncGenerator[Any, None], stream)
+        async with contextlib.aclosing(responses):
+            try:
+                async for response in responses:
+                    if response.canceled or response.compact_revision:
+                        raise WatchLost(
+                            f"etcd cancelled the watch of {prefix} (compacted to revision "
+                            f"{response.compact_revision}: {response.cancel_reason or '-'})"
+                        )
+                    changes = [
+                        Change(
+                            event.kv.key.decode(),
+                            None if event.type == _DELETE else bytes(event.kv.value),
+                            int(event.kv.mod_revision),
+                        )
+                        for event in response.events
+                    ]
+                    if changes:
+                        yield changes
+            except (EtcdError, grpc.aio.AioRpcError) as exc:
+                raise EtcdUnavailable(f"etcd watch failed: {exc}") from None
+
+    # -- plumbing --------------------------------------------------------------------
+
+    @property
+    def _kv(self) -> KVService:
+        assert self._client.kv is not None, "open() first"
+        return self._client.kv
+
+    @property
+    def _lease(self) -> Any:
+        assert self._client.lease is not None, "open() first"
+        return self._client.lease
+
+    async def _call(self, what: str, call: Any, *, timeout_s: float | None = None) -> Any:
+        """Awaits one etcd call, turning every way it can fail into EtcdUnavailable
+        (non-transient gRPC errors other than NOT_FOUND included: to a broker they all
+        mean "etcd cannot do this now")."""
+        try:
+            if timeout_s is None:
+                return await call
+            return await asyncio.wait_for(call, timeout_s)
+        except TimeoutError:
+            raise EtcdUnavailable(
+                f"etcd ({', '.join(self._endpoints)}) did not answer a {what} in time"
+            ) from None
+        except EtcdError as exc:
+            raise EtcdUnavailable(f"etcd ({', '.join(self._endpoints)}): {what}: {exc}") from None
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                raise
+            raise EtcdUnavailable(
+                f"etcd ({', '.join(self._endpoints)}): {what}: {exc.code().name} {exc.details()}"
+            ) from None
+
+
+async def _first(call: Any) -> Any:
+    async for response in call:
+        return response
+    return None
+
+
+def _entry(kv: Any) -> Entry:
+    return Entry(kv.key.decode(), bytes(kv.value), int(kv.mod_revision), int(kv.lease))

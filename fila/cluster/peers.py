@@ -1,0 +1,153 @@
+"""Calls from this node to the other nodes: one gRPC channel per node, and forwarding
+with the caller's credentials.
+
+A forwarded call carries the caller's own `authorization` (and W3C trace context),
+so the owner authenticates and authorizes it exactly as if the caller had come to it
+directly: nodes do not trust each other's checks. It also carries
+`x-fila-forwarded-by: <node id>`, which makes the receiving node answer rather than
+forward again (`fila.cluster.errors.NotOwner`): a call crosses at most one hop. (A
+client could send that header itself; it only keeps its call from being forwarded.)
+
+Requests and answers cross as bytes, so the hop costs a serialization at most, not a
+re-encoding of the answer. The owner's failure comes back as it was (`RemoteError`:
+code, message, error kind); a node that does not answer at all (connection refused,
+reset, no route) is reported through `down`, as "queue q is on node 3, which is down".
+
+Channels reconnect quickly (100-500 ms backoff) because a restarted owner should be
+reachable as soon as it serves; a node that comes back at a new address or with a new
+lease gets a fresh channel.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, Final, TypeAlias, cast
+
+import grpc
+import grpc.aio
+
+from fila.cluster.errors import RemoteError
+from fila.cluster.layout import NodeRecord
+from fila.core.errors import BrokerError
+from fila.wire import ERROR_KIND_METADATA_KEY
+
+log = logging.getLogger("fila.cluster")
+
+FORWARDED_BY: Final = "x-fila-forwarded-by"
+# Request metadata a forwarded call carries over from the caller's.
+PASSED_ON: Final = frozenset({"authorization", "traceparent", "tracestate"})
+
+CHANNEL_OPTIONS: Final = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 500),
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+)
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+Metadata: TypeAlias = tuple[tuple[str, str], ...]
+
+
+def is_forwarded(context: Context) -> bool:
+    received = cast(Iterable[tuple[str, str | bytes]], context.invocation_metadata() or ())
+    return any(key == FORWARDED_BY for key, _ in received)
+
+
+def _identity(raw: bytes) -> bytes:
+    return raw
+
+
+class Peers:
+    def __init__(self, node_id: int, credentials: grpc.ChannelCredentials | None) -> None:
+        self._node_id = str(node_id)
+        self._credentials = credentials
+        self._channels: dict[int, tuple[NodeRecord, grpc.aio.Channel]] = {}
+        self._retired: list[grpc.aio.Channel] = []
+
+    def node_changed(self, node_id: int, record: NodeRecord | None) -> None:
+        """`fila.cluster.nodes` listener: a node that left or came back (new lease,
+        maybe a new address) gets a fresh channel on its next call."""
+        known = self._channels.get(node_id)
+        if known is not None and known[0] != record:
+            del self._channels[node_id]
+            self._retired.append(known[1])
+
+    def metadata(self, context: Context) -> Metadata:
+        """The caller's credentials and trace context, marked as forwarded by this node."""
+        received = cast(Iterable[tuple[str, str | bytes]], context.invocation_metadata() or ())
+        passed = tuple((k, v) for k, v in received if k in PASSED_ON and isinstance(v, str))
+        return (*passed, (FORWARDED_BY, self._node_id))
+
+    async def unary(
+        self,
+        node: NodeRecord,
+        method: str,
+        request: bytes,
+        context: Context,
+        down: Callable[[], BrokerError],
+        *,
+        timeout_cap: float | None = None,
+    ) -> bytes:
+        """Forwards one unary call with the caller's deadline (at most `timeout_cap`);
+        the owner's answer as bytes, or its failure raised."""
+        await self._close_retired()
+        call = self._channel(node).unary_unary(
+            method, request_serializer=_identity, response_deserializer=_identity
+        )
+        timeout = context.time_remaining()
+        if timeout_cap is not None:
+            timeout = timeout_cap if timeout is None else min(timeout, timeout_cap)
+        try:
+            response: bytes = await call(request, metadata=self.metadata(context), timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            raise translate(exc, down) from None
+        return response
+
+    def stream(
+        self, node: NodeRecord, method: str, metadata: Metadata
+    ) -> grpc.aio.StreamStreamCall[bytes, bytes]:
+        """Opens a bidirectional stream to `node`; the caller writes and reads bytes."""
+        multi = self._channel(node).stream_stream(
+            method, request_serializer=_identity, response_deserializer=_identity
+        )
+        return multi(None, metadata=metadata)
+
+    def _channel(self, node: NodeRecord) -> grpc.aio.Channel:
+        known = self._channels.get(node.node_id)
+        if known is not None and known[0] == node:
+            return known[1]
+        if known is not None:
+            self._retired.append(known[1])
+        addr = node.advertise_addr
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
+        else:
+            channel = grpc.aio.secure_channel(addr, self._credentials, options=CHANNEL_OPTIONS)
+        self._channels[node.node_id] = (node, channel)
+        return channel
+
+    async def _close_retired(self) -> None:
+        while self._retired:
+            await self._retired.pop().close(None)
+
+    async def close(self) -> None:
+        channels: Iterable[grpc.aio.Channel] = [c for _, c in self._channels.values()]
+        self._channels.clear()
+        self._retired.extend(channels)
+        await self._close_retired()
+
+
+def translate(exc: grpc.aio.AioRpcError, down: Callable[[], BrokerError]) -> BrokerError:
+    """The owner's failure as the error to answer with (see the module docstring)."""
+    trailers = cast(Iterable[tuple[str, str | bytes]], exc.trailing_metadata() or ())
+    kind = next(
+        (v for k, v in trailers if k == ERROR_KIND_METADATA_KEY and isinstance(v, str)), None
+    )
+    code = exc.code()
+    if kind is None and code == grpc.StatusCode.UNAVAILABLE:  # the node, not the broker
+        return down()
+    return RemoteError(code, kind, exc.details() or code.name.lower())

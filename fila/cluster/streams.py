@@ -1,0 +1,324 @@
+"""StreamEnqueue on a cluster node: each request split by owner, answered in order.
+
+A producer's stream may name queues on every node in one request. The node it
+reached splits each request: the messages of its own queues go to its local
+StreamEnqueue handler (fed as a stream of their own, so they share group commits as
+on a single node), and the messages of each other node's queues go to that node over
+one forwarding stream per node, opened on first use with the caller's credentials
+and kept for the life of the producer's stream. Each request is answered once every
+part of it is answered, with its results in request order, and requests are answered
+in the order they came (as on a single node). A message whose owner is down, or whose
+owner's stream fails, gets its error in its own result; the stream stays open.
+
+A request's failure as a whole (over `server.max_batch_messages`) is its items' error,
+as on a single node; a revoked key ends the stream with UNAUTHENTICATED at its next
+request (`access.require_key`), as on a single node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeAlias, cast
+
+import grpc
+import grpc.aio
+
+from fila.cluster.errors import OwnerDown
+from fila.cluster.layout import NodeRecord
+from fila.cluster.peers import Peers, is_forwarded, translate
+from fila.cluster.routing import LOCAL, Router, Target
+from fila.core.errors import BrokerError, InvalidArgument
+from fila.server import access, rpc
+from fila.server.rpc import BadRequest
+from fila.server.status import batch_error
+from fila.v1 import service_pb2
+
+log = logging.getLogger("fila.cluster")
+
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+Inner = Callable[[AsyncIterator[Any], Context], Awaitable[None]]
+METHOD = "/fila.v1.FilaService/StreamEnqueue"
+
+
+class _Pending:
+    """One request of the producer: its results, filled in by its parts; or, for a
+    request served here whole, the local handler's encoded answer as it is."""
+
+    __slots__ = ("done", "missing", "raw", "results", "sequence")
+
+    def __init__(self, sequence: int, size: int) -> None:
+        self.sequence = sequence
+        self.results: list[service_pb2.EnqueueResult | None] = [None] * size
+        self.missing = 0
+        self.raw: bytes | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def fill(self, indexes: Sequence[int], results: Sequence[service_pb2.EnqueueResult]) -> None:
+        for index, result in zip(indexes, results, strict=False):
+            self.results[index] = result
+        self.missing -= 1
+        if self.missing == 0 and not self.done.done():
+            self.done.set_result(None)
+
+    def fail(self, indexes: Sequence[int], error: Callable[[int], BrokerError]) -> None:
+        self.fill(indexes, [_error_result(error(i)) for i in indexes])
+
+
+# A part sent to the local handler: its request, its items, whether it is the whole one.
+_Part = tuple[_Pending, list[int], bool]
+
+
+class _CaptureContext:
+    """The context the local handler sees: its answers come back here, everything
+    else (abort, metadata, peer) is the producer's real context."""
+
+    def __init__(self, real: Context, answer: Callable[[Any], None]) -> None:
+        self._real = real
+        self._answer = answer
+
+    async def write(self, message: Any) -> None:
+        self._answer(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+class _Remote:
+    """The forwarding stream to one node, and the parts it still owes answers for."""
+
+    def __init__(self, node: NodeRecord, call: grpc.aio.StreamStreamCall[bytes, bytes]) -> None:
+        self.node = node
+        self.call = call
+        self.parts: dict[int, tuple[_Pending, list[int], list[str]]] = {}
+        self.sequence = 0
+        self.broken: BrokerError | None = None
+        self.reader: asyncio.Task[None] | None = None
+
+
+class StreamSplitter:
+    def __init__(
+        self,
+        router: Router,
+        peers: Peers,
+        inner: Inner,
+        context: Context,
+        max_batch: int,
+    ) -> None:
+        self._router = router
+        self._peers = peers
+        self._inner = inner
+        self._context = context
+        self._max_batch = max_batch
+        self._forwarded = False
+        self._order: deque[_Pending] = deque()
+        self._written = asyncio.Event()
+        self._local_in: asyncio.Queue[service_pb2.StreamEnqueueRequest | None] = asyncio.Queue()
+        self._local_parts: deque[_Part] = deque()  # the local handler answers in order
+        self._local_task: asyncio.Task[None] | None = None
+        self._remotes: dict[int, _Remote] = {}
+        self._pending_writes: asyncio.Queue[_Pending | None] = asyncio.Queue()
+
+    async def run(self, requests: AsyncIterator[Any]) -> None:
+        self._forwarded = is_forwarded(self._context)
+        writer = asyncio.create_task(self._write_answers())
+        try:
+            async for request in requests:
+                if isinstance(request, BadRequest):
+                    await rpc.refuse(request, "StreamEnqueue", self._context)
+                access.require_key()
+                await self._take(request)
+                if writer.done():
+                    break
+            self._pending_writes.put_nowait(None)
+            await self._finish_parts()
+            await writer
+        finally:
+            for task in self._tasks(writer):
+                task.cancel()
+            for task in self._tasks(writer):
+                with contextlib.suppress(asyncio.CancelledError, BrokerError, grpc.RpcError):
+                    await task
+            for remote in self._remotes.values():
+                remote.call.cancel()
+
+    def _tasks(self, writer: asyncio.Task[None]) -> list[asyncio.Task[None]]:
+        tasks = [writer, *(r.reader for r in self._remotes.values() if r.reader is not None)]
+        if self._local_task is not None:
+            tasks.append(self._local_task)
+        return [t for t in tasks if not t.done()]
+
+    # -- one request -------------------------------------------------------------------
+
+    async def _take(self, request: service_pb2.StreamEnqueueRequest) -> None:
+        messages = request.messages
+        pending = _Pending(request.sequence_number, len(messages))
+        self._pending_writes.put_nowait(pending)
+        if len(messages) > self._max_batch:
+            error = InvalidArgument(
+                f"a batch may carry at most {self._max_batch} messages "
+                f"(server.max_batch_messages), got {len(messages)}"
+            )
+            pending.results = [_error_result(error)] * len(messages)
+            pending.done.set_result(None)
+            return
+        groups: dict[Target, list[int]] = {}
+        failed: dict[int, BrokerError] = {}
+        targets: dict[str, Target | BrokerError] = {}
+        for index, message in enumerate(messages):
+            target = targets.get(message.queue)
+            if target is None:
+                try:
+                    target = await self._router.target(message.queue, forwarded=self._forwarded)
+                except BrokerError as exc:
+                    target = exc
+                targets[message.queue] = target
+            if isinstance(target, BrokerError):
+                failed[index] = target
+            else:
+                groups.setdefault(target, []).append(index)
+        pending.missing = len(groups) + (1 if failed else 0)
+        if pending.missing == 0:
+            pending.done.set_result(None)
+            return
+        if failed:
+            indexes = sorted(failed)
+            pending.fail(indexes, failed.__getitem__)
+        elif len(groups) == 1 and LOCAL in groups:  # all here: the single-node path
+            self._send_local(pending, groups[LOCAL], request, whole=True)
+            return
+        for target, indexes in groups.items():
+            part = service_pb2.StreamEnqueueRequest(messages=[messages[i] for i in indexes])
+            if target is LOCAL:
+                self._send_local(pending, indexes, part, whole=False)
+            else:
+                assert isinstance(target, NodeRecord)
+                await self._send_remote(target, pending, indexes, part)
+
+    # -- the local part ------------------------------------------------------------------
+
+    def _send_local(
+        self,
+        pending: _Pending,
+        indexes: list[int],
+        part: service_pb2.StreamEnqueueRequest,
+        *,
+        whole: bool,
+    ) -> None:
+        if self._local_task is None:
+            context = _CaptureContext(self._context, self._local_answer)
+            self._local_task = asyncio.create_task(
+                self._run_local(_drain(self._local_in), cast(Context, context))
+            )
+        self._local_parts.append((pending, indexes, whole))
+        self._local_in.put_nowait(part)
+
+    async def _run_local(self, requests: AsyncIterator[Any], context: Context) -> None:
+        await self._inner(requests, context)
+
+    def _local_answer(self, response: service_pb2.StreamEnqueueResponse | bytes) -> None:
+        pending, indexes, whole = self._local_parts.popleft()
+        if whole and isinstance(response, bytes):  # the request's answer, as encoded
+            pending.raw = response
+            pending.missing = 0
+            pending.done.set_result(None)
+            return
+        if isinstance(response, bytes):  # the local handler encodes its answers itself
+            response = service_pb2.StreamEnqueueResponse.FromString(response)
+        pending.fill(indexes, response.results)
+
+    # -- the remote parts ----------------------------------------------------------------
+
+    async def _send_remote(
+        self,
+        node: NodeRecord,
+        pending: _Pending,
+        indexes: list[int],
+        part: service_pb2.StreamEnqueueRequest,
+    ) -> None:
+        remote = self._remotes.get(node.node_id)
+        if remote is None or remote.broken is not None or remote.node != node:
+            call = self._peers.stream(node, METHOD, self._peers.metadata(self._context))
+            remote = self._remotes[node.node_id] = _Remote(node, call)
+            remote.reader = asyncio.create_task(self._read_remote(remote))
+        remote.sequence += 1
+        part.sequence_number = remote.sequence
+        queues = [m.queue for m in part.messages]
+        remote.parts[remote.sequence] = (pending, indexes, queues)
+        try:
+            await remote.call.write(part.SerializeToString())
+        except (grpc.RpcError, asyncio.InvalidStateError) as exc:
+            self._break(remote, _transport_error(exc, remote))
+
+    async def _read_remote(self, remote: _Remote) -> None:
+        try:
+            async for raw in remote.call:
+                response = service_pb2.StreamEnqueueResponse.FromString(raw)
+                found = remote.parts.pop(response.sequence_number, None)
+                if found is not None:
+                    pending, indexes, _queues = found
+                    pending.fill(indexes, response.results)
+        except grpc.aio.AioRpcError as exc:
+            self._break(remote, _transport_error(exc, remote))
+            return
+        if remote.parts:  # the owner ended its stream without answering everything
+            self._break(remote, OwnerDown("-", remote.node.node_id))
+
+    def _break(self, remote: _Remote, error: BrokerError) -> None:
+        if remote.broken is None:
+            remote.broken = error
+        parts, remote.parts = remote.parts, {}
+        node_id = remote.node.node_id
+        for pending, indexes, queues in parts.values():
+            errors = [
+                OwnerDown(q, node_id) if isinstance(error, OwnerDown) else error for q in queues
+            ]
+            pending.fill(indexes, [_error_result(e) for e in errors])
+
+    # -- answers -------------------------------------------------------------------------
+
+    async def _write_answers(self) -> None:
+        while (pending := await self._pending_writes.get()) is not None:
+            await pending.done
+            if pending.raw is not None:
+                await self._context.write(pending.raw)
+                continue
+            await self._context.write(
+                service_pb2.StreamEnqueueResponse(
+                    sequence_number=pending.sequence,
+                    results=[r for r in pending.results if r is not None],
+                )
+            )
+
+    async def _finish_parts(self) -> None:
+        """The producer closed its side: close ours, so every part gets its answer."""
+        self._local_in.put_nowait(None)
+        for remote in self._remotes.values():
+            if remote.broken is None:
+                with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+                    await remote.call.done_writing()
+        if self._local_task is not None:
+            await self._local_task
+        readers = [r.reader for r in self._remotes.values() if r.reader is not None]
+        if readers:
+            await asyncio.gather(*readers)
+
+
+async def _drain(
+    source: asyncio.Queue[service_pb2.StreamEnqueueRequest | None],
+) -> AsyncIterator[service_pb2.StreamEnqueueRequest]:
+    while (request := await source.get()) is not None:
+        yield request
+
+
+def _error_result(error: BrokerError) -> service_pb2.EnqueueResult:
+    return service_pb2.EnqueueResult(error=batch_error(error))
+
+
+def _transport_error(exc: BaseException, remote: _Remote) -> BrokerError:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return translate(exc, lambda: OwnerDown("-", remote.node.node_id))
+    return OwnerDown("-", remote.node.node_id)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Installs Debian's etcd-server (etcd 3.4, /usr/bin/etcd) for cluster mode's tests and
+# benchmark, which start their own etcd members on free ports with their own data
+# directories (fila.cluster.etcd_process) and never use a system etcd: where an init
+# system starts the package's service, it is stopped again. Idempotent; uses sudo
+# when not root (GitHub's runners). Also makes sure `ip` (iproute2) is there: the
+# fencing test builds network namespaces.
+set -euo pipefail
+
+sudo=()
+if [[ $EUID -ne 0 ]]; then sudo=(sudo -n); fi
+if ! command -v etcd >/dev/null || ! command -v ip >/dev/null; then
+  "${sudo[@]}" apt-get update -qq
+  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server iproute2
+  if command -v systemctl >/dev/null; then
+    "${sudo[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
+  fi
+fi
+etcd --version | head -1
