@@ -37,13 +37,13 @@ from fila.core.broker import Broker
 from fila.core.errors import BrokerError, QueueAlreadyExists, QueueNotFound
 from fila.core.queue import DLQ_SUFFIX, validate_queue_name
 from fila.server import access
+from fila.server.handlers import Handler, behaviour_of, rebuild
 from fila.server.rpc import BadRequest
 from fila.server.status import abort, batch_error
 from fila.v1 import admin_pb2, service_pb2
 
 log = logging.getLogger("fila.cluster")
 
-Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 Behaviour = Callable[..., Awaitable[Any]]
 
@@ -108,12 +108,12 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             return handler  # health, reflection, unknown methods
         cached = self._wrapped.get(method)
         if cached is None or cached[0] is not handler:
-            cached = (handler, _rebuild(handler, self._behaviour(method, rule, handler)))
+            cached = (handler, rebuild(handler, self._behaviour(method, rule, handler), _serialize))
             self._wrapped[method] = cached
         return cached[1]
 
     def _behaviour(self, method: str, rule: Rule, handler: Handler) -> Behaviour:
-        inner: Behaviour = _behaviour_of(handler)
+        inner = cast(Behaviour, behaviour_of(handler))
         route = rule.route
         if route is Route.QUEUE:
             return self._queue_call(method, rule.field, inner)
@@ -504,31 +504,6 @@ async def _chain(first: Any, rest: AsyncIterator[Any]) -> AsyncIterator[Any]:
     yield first
     async for item in rest:
         yield item
-
-
-def _behaviour_of(handler: Handler) -> Behaviour:
-    behaviour = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
-    assert behaviour is not None
-    return cast(Behaviour, behaviour)
-
-
-def _rebuild(handler: Handler, behaviour: Behaviour) -> Handler:
-    """`handler`'s shape and deserializer around `behaviour`, with a serializer that
-    passes bytes (a forwarded answer, or one the local handler encoded itself) through
-    as they are and encodes messages (an answer merged here)."""
-    kwargs: dict[str, Any] = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": _serialize,
-    }
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)
 
 
 def _serialize(response: bytes | Message) -> bytes:

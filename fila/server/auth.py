@@ -38,11 +38,11 @@ from fila.security.keyring import Caller, Keyring, Refusal
 from fila.security.keystore import LocalKeyStore
 from fila.server import access
 from fila.server.access import Rule
+from fila.server.handlers import Handler, behaviour_of, rebuild
 from fila.server.status import abort
 from fila.storage.backend import Storage
 from fila.storage.committer import Committer
 
-Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 OPEN_SERVICES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
@@ -142,7 +142,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     guard.released()
             await abort(context, Unauthenticated(refusal.value))
 
-        return _rebuild(handler, deny)
+        return rebuild(handler, deny)
 
 
 def _authorized(handler: Handler, caller: Caller, rule: Rule) -> Handler:
@@ -157,7 +157,7 @@ def _authorized(handler: Handler, caller: Caller, rule: Rule) -> Handler:
         if refusal is not None:
             await abort(context, refusal)
 
-    behaviour = _behaviour(handler)
+    behaviour = behaviour_of(handler)
     if inspect.isasyncgenfunction(behaviour):
 
         async def generate(request: Any, context: Context) -> AsyncIterator[Any]:
@@ -165,33 +165,10 @@ def _authorized(handler: Handler, caller: Caller, rule: Rule) -> Handler:
             async for response in behaviour(request, context):
                 yield response
 
-        return _rebuild(handler, generate)
+        return rebuild(handler, generate)
 
     async def run(request: Any, context: Context) -> Any:
         await admit(request, context)
         return await behaviour(request, context)
 
-    return _rebuild(handler, run)
-
-
-def _behaviour(handler: Handler) -> Callable[..., Any]:
-    behaviour = (
-        handler.unary_unary or handler.unary_stream or handler.stream_unary or handler.stream_stream
-    )
-    assert behaviour is not None
-    return behaviour
-
-
-def _rebuild(handler: Handler, behaviour: Callable[..., Any]) -> Handler:
-    """A handler of the same shape and serializers as `handler`, running `behaviour`."""
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(behaviour, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(behaviour, **kwargs)
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(behaviour, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(behaviour, **kwargs)
+    return rebuild(handler, run)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any, TypeAlias, cast
+from typing import Any, TypeAlias
 
 import grpc
 from opentelemetry import context as context_api
@@ -26,7 +26,8 @@ from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
-Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+from fila.server.handlers import Handler, behaviour_of, rebuild
+
 Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
 
 TRACEPARENT = "traceparent"
@@ -82,14 +83,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 span.set_attribute("messaging.destination.name", queue)
             return span
 
-        # grpc-stubs types behaviors for the sync server; these are grpc.aio coroutines
-        behavior = cast(
-            Callable[..., Any],
-            handler.unary_unary
-            or handler.unary_stream
-            or handler.stream_unary
-            or handler.stream_stream,
-        )
+        behavior = behaviour_of(handler)
         if inspect.isasyncgenfunction(behavior):
 
             async def traced_stream(request: Any, context: Context) -> AsyncIterator[Any]:
@@ -123,7 +117,7 @@ class TracingInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     context_api.detach(token)
 
             wrapped = traced
-        return _same_kind(handler, wrapped)
+        return rebuild(handler, wrapped)
 
 
 def _finish(span: trace.Span, context: Context, error: BaseException | None) -> None:
@@ -139,17 +133,3 @@ def _finish(span: trace.Span, context: Context, error: BaseException | None) -> 
     if number != 0:
         span.set_status(Status(StatusCode.ERROR, context.details() or None))
     span.end()
-
-
-def _same_kind(handler: Handler, behavior: Callable[..., Any]) -> Handler:
-    kwargs = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.unary_stream:
-        return grpc.unary_stream_rpc_method_handler(behavior, **kwargs)
-    if handler.stream_unary:
-        return grpc.stream_unary_rpc_method_handler(behavior, **kwargs)
-    if handler.stream_stream:
-        return grpc.stream_stream_rpc_method_handler(behavior, **kwargs)
-    return grpc.unary_unary_rpc_method_handler(behavior, **kwargs)
