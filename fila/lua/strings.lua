@@ -111,6 +111,23 @@ end
 
 ------------------------------------------------------------------------------- find
 
+-- find and match: the C function when its worst case fits the budget (charged up
+-- front), else the step-counted Lua matcher. Every call here is a tail call, so the
+-- script stays at error level 2 (see `settle`).
+local function bounded_search(fast, slow, s, p, init, ls, starts)
+  if starts < 1 then starts = 1 end
+  local F, R, anchor = p_costs(p, ls, starts, LIMIT)
+  local bound = anchor and R or (starts - 1) * F + R
+  if bound <= LIMIT then
+    charge(bound)
+    local _, may_raise = p_shape(p)
+    if not may_raise then return fast(s, p, init) end
+    return settle(raw_pcall(fast, s, p, init))
+  end
+  return settle(raw_pcall(slow, s, p, init))
+end
+
+
 local function find(s, p, init, plain)
   local n = select("#", s, p)
   s = checkstring(s, n >= 1, 1, "find")
@@ -126,16 +143,7 @@ local function find(s, p, init, plain)
     end
     return patterns.plain_find(s, p, init)
   end
-  if starts < 1 then starts = 1 end
-  local F, R, anchor = p_costs(p, ls, starts, LIMIT)
-  local bound = anchor and R or (starts - 1) * F + R
-  if bound <= LIMIT then
-    charge(bound)
-    local _, may_raise = p_shape(p)
-    if not may_raise then return s_find(s, p, init) end
-    return settle(raw_pcall(s_find, s, p, init))
-  end
-  return settle(raw_pcall(patterns.find, s, p, init))
+  return bounded_search(s_find, patterns.find, s, p, init, ls, starts)
 end
 
 local function match(s, p, init)
@@ -145,16 +153,7 @@ local function match(s, p, init)
   init = optinteger(init, 3, "match", 1)
   local ls = #s
   local starts = ls - posrelat(init, ls) + 2
-  if starts < 1 then starts = 1 end
-  local F, R, anchor = p_costs(p, ls, starts, LIMIT)
-  local bound = anchor and R or (starts - 1) * F + R
-  if bound <= LIMIT then
-    charge(bound)
-    local _, may_raise = p_shape(p)
-    if not may_raise then return s_match(s, p, init) end
-    return settle(raw_pcall(s_match, s, p, init))
-  end
-  return settle(raw_pcall(patterns.match, s, p, init))
+  return bounded_search(s_match, patterns.match, s, p, init, ls, starts)
 end
 
 ------------------------------------------------------------------------------- steps
