@@ -104,6 +104,20 @@ def test_watch_stops_on_ctrl_c(server: ServerProcess) -> None:
         assert run.stderr.rest() == []
 
 
+def test_watch_rides_out_a_broker_restart(server: ServerProcess) -> None:
+    with Running("--addr", server.addr, "queue", "list", "--watch", *FAST, "--json") as run:
+        json.loads(run.stdout.next(DEADLINE_S))
+        server.stop()
+        warning = run.stderr.next(DEADLINE_S)
+        assert warning.startswith("fila: warning: broker unreachable"), warning
+        assert "retrying every 0.2s" in warning
+        server.start()
+        # Frames flow again once the broker is back; the process never exited.
+        json.loads(run.stdout.next(DEADLINE_S))
+        assert run.proc.poll() is None
+        assert run.interrupt() == 0
+
+
 def test_watch_needs_a_queue_that_exists(server: ServerProcess) -> None:
     absent = unique("absent")
     result = fila(server, "queue", "inspect", absent, "--watch", "--iterations", "2")

@@ -150,15 +150,21 @@ def test_consumers_that_never_read_pin_a_bounded_amount_of_memory(
         for _ in range(200):
             fila.enqueue("big", os.urandom(MiB))
         before = _rss_bytes(server.pid)
-        streams = [fila.consume("big", read_limit=1) for _ in range(20)]
-        try:
+        # Twenty consumers on connections of their own, as separate processes would be
+        # (no shared HTTP/2 window between stalled streams), each with a prefetch that
+        # leaves every one a share of the 200 messages whatever order they attach in:
+        # with the default 16, the first dozen could lease them all (seen in CI).
+        with contextlib.ExitStack() as consumers:
+            streams = []
+            for _ in range(20):
+                own = consumers.enter_context(connect(server.addr))
+                stream = own.consume("big", read_limit=1, prefetch=10)
+                consumers.callback(stream.cancel)
+                streams.append(stream)
             for stream in streams:
                 stream.get(PROMPT_S)
             wait_until(lambda: fila.stats("big").in_flight >= 40, PROMPT_S)
             settled = _rss_bytes(server.pid)
-        finally:
-            for stream in streams:
-                stream.cancel()
     grew = (settled - before) / MiB
     print(f"20 stalled 1 MiB streams: RSS +{grew:.0f} MiB")
     # 64 MiB of buffers broker-wide, plus gRPC's per-stream transport buffers

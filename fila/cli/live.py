@@ -3,6 +3,11 @@
 On a terminal the view is redrawn in place (rich `Live`); under `--json` each
 refresh is one JSON line (JSON Lines), so a script can follow it; on anything else
 (a pipe, a file) each refresh is printed after the previous one.
+
+A watch outlives the broker it watches: while the broker is unreachable (restarting,
+failing over) each refresh says so, on the terminal in place of the view and
+elsewhere on stderr (stdout keeps only views), and the next refresh tries again.
+Any other error (a queue that does not exist, a refused key) ends the watch.
 """
 
 from __future__ import annotations
@@ -15,8 +20,10 @@ from contextlib import nullcontext
 import click
 from rich.console import RenderableType
 from rich.live import Live
+from rich.text import Text
 
 from fila.cli.output import as_json, console
+from fila_sdk import DeadlineExceededError, UnavailableError
 
 # One refresh: what `--json` prints, and what a human sees.
 Frame = tuple[object, RenderableType]
@@ -38,14 +45,22 @@ def watch(
     try:
         with live or nullcontext():
             while True:
-                data, view = frame()
-                if json_lines:
-                    click.echo(json.dumps(data))
-                elif live is not None:
-                    live.update(view, refresh=True)
+                try:
+                    data, view = frame()
+                except (UnavailableError, DeadlineExceededError) as err:
+                    note = f"broker unreachable ({err.message}); retrying every {interval:g}s"
+                    if live is not None:
+                        live.update(Text(note, style="yellow"), refresh=True)
+                    else:
+                        click.echo(f"fila: warning: {note}", err=True)
                 else:
-                    out.print(view)
-                    out.print()
+                    if json_lines:
+                        click.echo(json.dumps(data))
+                    elif live is not None:
+                        live.update(view, refresh=True)
+                    else:
+                        out.print(view)
+                        out.print()
                 shown += 1
                 if iterations is not None and shown >= iterations:
                     return
