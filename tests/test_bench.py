@@ -30,7 +30,7 @@ from fila_bench.cpus import PinningError, plan
 from fila_bench.load import CheckFailed, check_at_most_once, check_exactly_once, paced
 from fila_bench.results import Result, throughput
 from fila_bench.runner import ceiling_rows, with_ratios
-from fila_bench.spread import Spread
+from fila_bench.spread import Spread, gate_dev_pct
 
 
 def entry(name: str, value: float, unit: str, higher: bool, gated: bool = True) -> dict[str, Any]:
@@ -424,11 +424,27 @@ def test_spread_suggests_a_threshold_above_the_noise(tmp_path: Path) -> None:
     md = tmp_path / "spread.md"
     result = invoke("spread", *map(str, runs), "--markdown", str(md))
     assert result.exit_code == 0, result.output
-    # median 0.50, worst run 0.40: 20% off; plus a quarter -> 25%
+    # median 0.50, worst run 0.40: 20% off; too few runs for two groups of three, so
+    # two medians could err 2 x 20% apart; plus a quarter -> 50%
     assert "| `r_ratio` | ratio | yes | 0.5 | 0.4 | 0.52 | 20.0% |" in md.read_text()
-    assert md.read_text().rstrip().endswith("| 25% |")
-    quiet = [Spread("q", "ratio", True, 10, 1.0, 0.99, 1.01, 1.0, 0.5)]
+    assert md.read_text().rstrip().endswith("| - | 50% |")
+    quiet = [Spread("q", "ratio", True, 10, 1.0, 0.99, 1.01, 1.0, 0.5, 1.5)]
     assert quiet[0].suggested_threshold_pct == 10  # never below the CI threshold
+
+
+def test_spread_holds_thresholds_to_what_the_gate_compares() -> None:
+    # Two sessions of the same commit: a fast one, then one 20% slower throughout.
+    # Every single run sits within 11% of the median of all six, but the gate would
+    # compare a baseline from the first session with a run from the second.
+    fast, slow = [1.00, 1.01, 0.99], [0.80, 0.81, 0.79]
+    assert gate_dev_pct(fast + slow, higher_is_better=True) == pytest.approx(20.0)
+    # A lower-is-better figure regresses upwards: held against the low baseline.
+    assert gate_dev_pct([10, 10, 10, 12, 12, 12], higher_is_better=False) == pytest.approx(20.0)
+    # One outlier per group is what a median of three absorbs.
+    assert gate_dev_pct([1.0, 1.0, 1.0, 1.0, 1.0, 0.2], higher_is_better=True) == 0.0
+    assert gate_dev_pct([*fast, 0.8], higher_is_better=True) is None  # not two groups
+    row = Spread("r", "ratio", True, 6, 0.9, 0.79, 1.01, 12.2, 10.0, 20.0)
+    assert row.suggested_threshold_pct == 25  # 20% plus a quarter
 
 
 # --- the CI scripts -----------------------------------------------------------------
