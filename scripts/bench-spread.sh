@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The spread study behind fila_bench/thresholds.toml: runs `fila-bench system` RUNS
 # times (default 10) on one commit and prints, per figure, the median, range, largest
-# single-run deviation from the median, CV, and the threshold a gated figure needs to
-# stay clear of its own noise. Run it on an idle machine (the one that runs the gate)
-# and copy the suggestions into thresholds.toml and docs/benchmarks.md.
+# single-run deviation from the median, CV, the worst gap between two medians of three
+# (what the gate compares) and the threshold that clears it. Run it on the machine
+# that runs the gate, in more than one session (hours apart), and pool the runs:
+#   fila-bench spread first/run-*.json second/run-*.json
+# then copy the suggestions into thresholds.toml and docs/benchmarks.md.
 #   scripts/bench-spread.sh [RUNS] [OUT_DIR]
 #   BENCH_ARGS="--quick --only durable_*" scripts/bench-spread.sh 5
 set -euo pipefail
