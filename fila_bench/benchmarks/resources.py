@@ -80,6 +80,8 @@ async def _compaction(ctx: Context) -> list[Result]:
         await client.create_queue("probe")
         await client.create_queue("burst")
 
+        probes_answered = asyncio.Event()
+
         async def one_probe(sent_at: float) -> None:
             await client.enqueue("probe", None, PAYLOAD_1KB)
             samples.append((sent_at, (time.perf_counter() - sent_at) * 1e6))
@@ -96,6 +98,7 @@ async def _compaction(ctx: Context) -> list[Result]:
             async with asyncio.TaskGroup() as probes:
                 async for sent_at in paced(PROBE_RATE, lambda: not probing):
                     probes.create_task(one_probe(sent_at))
+            probes_answered.set()  # every probe sent was answered and counted
 
         before = rocksdb_events(server)
         # The burst gets its own TCP connections so its 256 KiB frames do not queue
@@ -124,6 +127,7 @@ async def _compaction(ctx: Context) -> list[Result]:
                 await _settle(server)
                 burst_end = time.perf_counter()
                 probing = False
+                await asyncio.wait_for(probes_answered.wait(), p.deadline_s)
         finally:
             await close_all(conns)
         after = rocksdb_events(server)
