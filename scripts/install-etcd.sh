@@ -16,4 +16,4 @@ if ! command -v etcd >/dev/null || ! command -v ip >/dev/null; then
     "${sudo[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
   fi
 fi
-etcd --version | head -1
+etcd --version | sed -n 1p  # sed reads to the end: head could SIGPIPE etcd (exit 141 under pipefail)
