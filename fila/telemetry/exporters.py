@@ -60,7 +60,20 @@ class TelemetryStartError(Exception):
     """An exporter could not start (the Prometheus address is taken); worded for operators."""
 
 
-class _PrometheusReader(PrometheusMetricReader):
+class _Augmented:
+    """Adds the core's histograms to each collection a metric reader receives."""
+
+    _augment: Augment
+
+    def _receive_metrics(
+        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
+    ) -> None:
+        super()._receive_metrics(  # type: ignore[misc]
+            self._augment(metrics_data), timeout_millis, **kwargs
+        )
+
+
+class _PrometheusReader(_Augmented, PrometheusMetricReader):
     """The Prometheus reader, with the core's histograms added to each collection."""
 
     def __init__(self, augment: Augment, registry: CollectorRegistry, limit: int) -> None:
@@ -71,13 +84,8 @@ class _PrometheusReader(PrometheusMetricReader):
         )
         self._augment = augment
 
-    def _receive_metrics(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
-    ) -> None:
-        super()._receive_metrics(self._augment(metrics_data), timeout_millis, **kwargs)
 
-
-class _PeriodicReader(PeriodicExportingMetricReader):
+class _PeriodicReader(_Augmented, PeriodicExportingMetricReader):
     """The periodic OTLP reader, with the core's histograms added to each collection."""
 
     def __init__(
@@ -90,11 +98,6 @@ class _PeriodicReader(PeriodicExportingMetricReader):
             cardinality_limits={ObservableCounter: limit, ObservableGauge: limit},
         )
         self._augment = augment
-
-    def _receive_metrics(
-        self, metrics_data: MetricsData, timeout_millis: float = 10_000, **kwargs: Any
-    ) -> None:
-        super()._receive_metrics(self._augment(metrics_data), timeout_millis, **kwargs)
 
 
 def otlp_target(endpoint: str) -> tuple[str, bool]:
