@@ -244,6 +244,7 @@ async def serve(config: Config) -> ExitCode:
             "addr": addr,
             "data_dir": str(data_dir),
             "persist_mode": config.storage.persist_mode,
+            "direct_io": storage.direct_io,
             "tls": credentials is not None,
             "auth": bool(config.auth.bootstrap_apikey),
             "max_connections": max_connections,
