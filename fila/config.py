@@ -114,6 +114,7 @@ class ServerSection:
 class StorageSection:
     data_dir: str = "./data"
     persist_mode: PersistMode = "sync"
+    direct_io: bool = True
 
 
 @dataclass(frozen=True, slots=True)

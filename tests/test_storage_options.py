@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fila.storage.backend import RocksStorage, supports_direct_io
+from tests.support import ServerFactory
 
 
 def _rocksdb_options(db_dir: Path) -> dict[str, str]:
@@ -43,3 +44,25 @@ def test_tables_are_written_around_the_page_cache_where_the_filesystem_allows(
 def test_the_direct_io_probe_says_no_where_it_cannot_write(tmp_path: Path) -> None:
     assert supports_direct_io(tmp_path / "missing") is False
     assert not (tmp_path / "missing").exists()
+
+
+def test_direct_io_can_be_turned_off(tmp_path: Path) -> None:
+    storage = RocksStorage(tmp_path, direct_io=False)
+    try:
+        settings = _rocksdb_options(storage.path)
+    finally:
+        storage.close()
+    assert storage.direct_io is False
+    assert settings["use_direct_io_for_flush_and_compaction"] == "false"
+
+
+def test_the_broker_opens_its_storage_as_configured(server_factory: ServerFactory) -> None:
+    """`storage.direct_io` reaches RocksDB in a real fila-server (on by default)."""
+    default = server_factory()
+    db_dir = default.data_dir / "db"
+    expected = "true" if supports_direct_io(default.data_dir) else "false"
+    assert _rocksdb_options(db_dir)["use_direct_io_for_flush_and_compaction"] == expected
+    default.stop()
+    off = server_factory(config_toml="[storage]\ndirect_io = false\n")
+    off_settings = _rocksdb_options(off.data_dir / "db")
+    assert off_settings["use_direct_io_for_flush_and_compaction"] == "false"

@@ -125,9 +125,9 @@ def tls_credentials(config: Config) -> grpc.ServerCredentials | None:
     )
 
 
-def open_storage(data_dir: Path) -> RocksStorage:
+def open_storage(data_dir: Path, direct_io: bool) -> RocksStorage:
     try:
-        return RocksStorage(data_dir)
+        return RocksStorage(data_dir, direct_io=direct_io)
     except CorruptionError as exc:
         raise StartupError(str(exc), ExitCode.DATA_DAMAGED) from None
     except StorageError as exc:
@@ -139,7 +139,7 @@ async def serve(config: Config) -> ExitCode:
     max_connections = connection_cap(config.server.max_connections, open_files)
     credentials = tls_credentials(config)
     data_dir = Path(config.storage.data_dir)
-    storage = open_storage(data_dir)
+    storage = open_storage(data_dir, config.storage.direct_io)
     stop = asyncio.Event()
     failure: list[StorageError] = []
 

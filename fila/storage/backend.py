@@ -111,10 +111,12 @@ _LOCK_HELD = re.compile(r"lock", re.IGNORECASE)
 class RocksStorage:
     """RocksDB through rocksdict, with checksums enforced and scans that report damage."""
 
-    def __init__(self, data_dir: Path) -> None:
+    def __init__(self, data_dir: Path, direct_io: bool = True) -> None:
+        """`direct_io`: write tables with O_DIRECT if the filesystem takes it (see
+        `rocks_options`); `self.direct_io` says whether they are."""
         self.path = data_dir / "db"
         data_dir.mkdir(parents=True, exist_ok=True)
-        self.direct_io = supports_direct_io(data_dir)
+        self.direct_io = direct_io and supports_direct_io(data_dir)
         try:
             self._db = Rdict(str(self.path), options=rocks_options(direct_io=self.direct_io))
         except Exception as exc:  # rocksdict raises plain Exception for every open failure
@@ -213,7 +215,9 @@ def rocks_options(direct_io: bool = False) -> Options:
       buffered table pages are written back by the kernel's flusher threads, in
       bursts and outside the idle I/O priority given to RocksDB's threads, and the
       WAL's small writes queue behind them; O_DIRECT writes leave from those
-      threads, at that priority, in 1 MiB pieces.
+      threads, at that priority, in 1 MiB pieces. The price: fresh tables are not
+      in the page cache, so a backlog drained at once reads them from the disk
+      (`storage.direct_io = false` trades back; docs/operations.md, "The disk").
     """
     options = Options(raw_mode=True)
     options.create_if_missing(True)
