@@ -243,12 +243,12 @@ def supports_direct_io(directory: Path) -> bool:
 
     Probed with a real aligned write, because RocksDB finds out only when a flush
     opens its first table, and a flush that fails stops every write of the broker."""
+    direct: int | None = getattr(os, "O_DIRECT", None)
+    if direct is None:
+        return False  # not a Linux-like platform
     probe = directory / ".direct-io-probe"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0)
-    if flags == os.O_WRONLY | os.O_CREAT | os.O_TRUNC:
-        return False  # no O_DIRECT on this platform
     try:
-        fd = os.open(probe, flags, 0o600)
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | direct, 0o600)
         try:
             with mmap.mmap(-1, _DIRECT_IO_BLOCK) as aligned:  # page-aligned, as O_DIRECT needs
                 os.write(fd, aligned)
