@@ -413,7 +413,19 @@ def test_api_keys_and_acls_made_through_one_node_hold_on_the_others(shared: Clus
         )
     )
     for via in (1, 2, 3):
-        shared.fila(via, tenant).enqueue(on[3], b"t")
+        fila = shared.fila(via, tenant)
+
+        def granted(fila: Fila = fila) -> bool:
+            """An ACL change reaches the other nodes through their etcd watch."""
+            try:
+                fila.enqueue(on[3], b"t")
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.PERMISSION_DENIED:
+                    raise
+                return False
+            return True
+
+        wait_until(granted, 5, what=f"the granted ACL in force on node {via}")
         denied = rpc_error(
             shared.fila(via, tenant).svc.Enqueue, service_pb2.EnqueueRequest(queue=on[1])
         )
