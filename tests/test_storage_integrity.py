@@ -21,7 +21,7 @@ from support.stubs import connect
 
 from fila.server.process import ServerProcess
 from fila.storage import keys
-from fila.storage.backend import RocksStorage
+from fila.storage.backend import Batch, RocksStorage
 
 DATA_DAMAGED = 4
 PROMPT_S = 10.0
@@ -146,7 +146,7 @@ def test_a_queue_record_that_does_not_decode_refuses_to_start(
     _fill(server, {"alpha": 10, "beta": 10})
     server.stop()
     storage = RocksStorage(server.data_dir)
-    batch = storage.new_batch()
+    batch = Batch()
     batch.put(keys.queue_key("beta"), b"{not json")
     storage.write(batch)
     storage.sync()

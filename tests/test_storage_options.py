@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fila.storage.backend import RocksStorage, supports_direct_io
+from fila.storage.backend import Batch, RocksStorage, supports_direct_io
 from tests.support import ServerFactory
 
 
@@ -26,7 +26,7 @@ def test_tables_are_written_around_the_page_cache_where_the_filesystem_allows(
     every WAL fdatasync waits for (see `rocks_options`)."""
     storage = RocksStorage(tmp_path)
     try:
-        batch = storage.new_batch()
+        batch = Batch()
         for i in range(256):
             batch.put(b"k%04d" % i, bytes(4096))
         storage.write(batch)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from rocksdict import Options, Rdict
 
-from fila.storage.backend import RocksStorage, StorageError
+from fila.storage.backend import Batch, RocksStorage, StorageError
 
 
 class _StallingDb:
@@ -66,7 +66,7 @@ def test_a_stalled_write_is_retried_while_other_threads_run(tmp_path: Path) -> N
     counter = threading.Thread(target=count)
     counter.start()
     try:
-        batch = storage.new_batch()
+        batch = Batch()
         batch.put(b"k", b"v")
         batch.put(b"gone", b"x")
         batch.delete(b"gone")
@@ -92,7 +92,7 @@ def test_other_write_errors_are_storage_errors(tmp_path: Path) -> None:
     )
     storage._db = stalling  # type: ignore[assignment]
     try:
-        batch = storage.new_batch()
+        batch = Batch()
         batch.put(b"k", b"v")
         with pytest.raises(StorageError, match="No space left"):
             storage.write(batch)

@@ -91,8 +91,6 @@ class Storage(Protocol):
         Raises CorruptionError if the scan could not read everything."""
         ...
 
-    def new_batch(self) -> Batch: ...
-
     def write(self, batch: Batch) -> None:
         """Applies `batch` atomically, without waiting for the disk."""
         ...
@@ -151,9 +149,6 @@ class RocksStorage:
             it.status()
         except Exception as exc:  # the iterator stopped on an error, not at the end
             raise CorruptionError(f"scanning {prefix!r} records: {exc}") from None
-
-    def new_batch(self) -> Batch:
-        return Batch()
 
     def write(self, batch: Batch) -> None:
         """Applies `batch` (unsynced; `sync` makes it durable).
@@ -332,9 +327,6 @@ class MemoryStorage:
             value = self._data.get(key)
             if value is not None:
                 yield key, value
-
-    def new_batch(self) -> Batch:
-        return Batch()
 
     def write(self, batch: Batch) -> None:
         for key, value in batch.ops:

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from fila.config import PersistMode
-from fila.storage.backend import Storage, StorageError
+from fila.storage.backend import Batch, Storage, StorageError
 from fila.telemetry.histogram import FSYNC_BOUNDS_S, FixedHistogram
 
 log = logging.getLogger("fila.storage")
@@ -49,7 +49,7 @@ class Committer:
         self._storage = storage
         self._sync = mode == "sync"
         self._on_failure = on_failure
-        self._batch = storage.new_batch()
+        self._batch = Batch()
         self._ops = 0
         self._future: asyncio.Future[None] | None = None
         self._after: list[Callable[[], None]] = []
@@ -121,7 +121,7 @@ class Committer:
         self._scheduled = False
         batch, ops = self._batch, self._ops
         waiters = _Waiters(self._future, self._after)
-        self._batch = self._storage.new_batch()
+        self._batch = Batch()
         self._ops = 0
         self._future = None
         self._after = []
