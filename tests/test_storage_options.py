@@ -22,8 +22,8 @@ def _rocksdb_options(db_dir: Path) -> dict[str, str]:
 def test_tables_are_written_around_the_page_cache_where_the_filesystem_allows(
     tmp_path: Path,
 ) -> None:
-    """O_DIRECT flushes and compactions keep table data out of the journal commit
-    every WAL fdatasync waits for (see `rocks_options`)."""
+    """O_DIRECT flushes and compactions keep the WAL's fdatasync from queueing behind
+    table pages the kernel writes back (see `rocks_options`)."""
     storage = RocksStorage(tmp_path)
     try:
         batch = Batch()

@@ -245,6 +245,7 @@ async def serve(config: Config) -> ExitCode:
             "data_dir": str(data_dir),
             "persist_mode": config.storage.persist_mode,
             "direct_io": storage.direct_io,
+            "paced_deletion": storage.paced_deletion,
             "tls": credentials is not None,
             "auth": bool(config.auth.bootstrap_apikey),
             "max_connections": max_connections,

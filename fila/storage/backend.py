@@ -40,6 +40,7 @@ from rocksdict import (
 )
 
 from fila.storage.keys import prefix_end
+from fila.storage.reaper import FileReaper
 
 _WRITE_STALL = "Write stall"  # RocksDB's Status::Incomplete text for a refused write
 _STALL_RETRY_MIN_S = 0.0005
@@ -128,6 +129,10 @@ class RocksStorage:
         # A write RocksDB would stall (memtables full, too many level-0 files) fails at
         # once instead; `write` waits outside it. See `write`.
         self._write_options.no_slowdown = True
+        # Obsolete files are trimmed a chunk at a time instead of unlinked whole (see
+        # fila.storage.reaper); `self.paced_deletion` says whether they are.
+        self._reaper = FileReaper(self.path, data_dir / "deleting")
+        self.paced_deletion = self._reaper.start()
 
     def get(self, key: bytes) -> bytes | None:
         try:
@@ -171,9 +176,11 @@ class RocksStorage:
             wait_s = min(2 * wait_s, _STALL_RETRY_MAX_S)
 
     def sync(self) -> None:
-        """fsyncs the WAL; `flush_wal(True)` releases the GIL while the disk works."""
+        """fsyncs the WAL; `flush_wal(True)` releases the GIL while the disk works. No
+        trim of an obsolete file runs meanwhile (see fila.storage.reaper)."""
         try:
-            self._db.flush_wal(True)
+            with self._reaper.quiet:
+                self._db.flush_wal(True)
         except Exception as exc:  # rocksdict raises plain Exception on I/O errors
             raise StorageError(f"WAL sync failed: {exc}") from None
 
@@ -186,6 +193,8 @@ class RocksStorage:
             self._db.close()
         except Exception as exc:  # e.g. the write error that stopped the broker, again
             raise StorageError(f"closing the database: {exc}") from None
+        finally:
+            self._reaper.stop()
 
 
 def rocks_options(direct_io: bool = False) -> Options:
