@@ -38,6 +38,7 @@ def test_tables_are_written_around_the_page_cache_where_the_filesystem_allows(
     assert storage.direct_io == supports_direct_io(tmp_path)
     expected = "true" if storage.direct_io else "false"
     assert settings["use_direct_io_for_flush_and_compaction"] == expected
+    assert settings["writable_file_max_buffer_size"] == str(256 * 1024)  # see rocks_options
     assert not (tmp_path / ".direct-io-probe").exists()
 
 
