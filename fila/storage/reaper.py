@@ -68,7 +68,6 @@ class FileReaper:
         self._synced = threading.Event()  # set by `syncing` as each sync ends
         self._thread: threading.Thread | None = None
         self.reaped_files = 0
-        self.reaped_bytes = 0
 
     def start(self) -> bool:
         """Starts the thread; False (and ordinary deletion) where hard links are refused.
@@ -163,16 +162,11 @@ class FileReaper:
                 self._unlink(name)
                 return True
             os.truncate(path, size - CHUNK_BYTES)
-        self.reaped_bytes += CHUNK_BYTES
         return False
 
     def _unlink(self, name: str) -> None:
         path = self._deleting_dir / name
-        try:
-            self.reaped_bytes += os.stat(path).st_size
-            path.unlink()
-        except FileNotFoundError:
-            pass
+        path.unlink(missing_ok=True)
         self._linked.discard(name)
         self.reaped_files += 1
 
