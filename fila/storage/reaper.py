@@ -74,13 +74,14 @@ class FileReaper:
 
         Probed with a real link first: a reaper that linked some files and then
         failed would keep their space after RocksDB deleted them."""
-        probe = self._deleting_dir / ".link-probe"
+        probe, second = self._deleting_dir / ".link-probe", self._deleting_dir / ".link-probe-2"
         try:
             self._deleting_dir.mkdir(exist_ok=True)
-            probe.unlink(missing_ok=True)
+            for leftover in (probe, second):  # a broker killed mid-probe left them
+                leftover.unlink(missing_ok=True)
             probe.touch()
-            os.link(probe, self._deleting_dir / ".link-probe-2")
-            (self._deleting_dir / ".link-probe-2").unlink()
+            os.link(probe, second)
+            second.unlink()
             probe.unlink()
             self._linked = {entry.name for entry in os.scandir(self._deleting_dir)}
         except OSError as exc:
