@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import queue
+import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 
 from fila.config import PersistMode
 from fila.storage.backend import Batch, Storage, StorageError
@@ -58,7 +59,9 @@ class Committer:
         # Written to the WAL but not yet fsynced, oldest first; and whether a sync runs.
         self._unsynced: list[_Waiters] = []
         self._syncing = False
-        self._fsync_thread = ThreadPoolExecutor(1, thread_name_prefix="fila-fsync")
+        self._sync_requests: queue.SimpleQueue[_SyncRequest | None] = queue.SimpleQueue()
+        self._fsync_thread: threading.Thread | None = None  # started by the first sync
+        self._closed = False
         self.batches_written = 0
         self.ops_written = 0
         self.syncs = 0
@@ -105,7 +108,12 @@ class Committer:
             self._finish_sync(self._take_unsynced(), self._fsync())
 
     def close(self) -> None:
-        self._fsync_thread.shutdown(wait=True)
+        """Waits for a sync in flight to end; a sync asked for later fails."""
+        self._closed = True
+        if self._fsync_thread is not None:
+            self._sync_requests.put(None)
+            self._fsync_thread.join()
+            self._fsync_thread = None
 
     def _touch(self) -> None:
         self._ops += 1
@@ -144,12 +152,33 @@ class Committer:
 
     def _start_sync(self) -> None:
         """Fsyncs the WAL on a thread: flush_wal releases the GIL, so the loop keeps serving
-        and whatever arrives meanwhile forms the next group."""
-        self._syncing = True
+        and whatever arrives meanwhile forms the next group.
+
+        The thread is our own, fed by a `SimpleQueue` and answering with one
+        `call_soon_threadsafe`, rather than an executor: `run_in_executor`'s two chained
+        futures cost about 4 us of the saturated core per message at 50 one-in-flight
+        producers (15-17 messages per sync), for nothing a single worker needs."""
         covered = self._take_unsynced()
-        loop = asyncio.get_running_loop()
-        done = loop.run_in_executor(self._fsync_thread, self._fsync)
-        done.add_done_callback(lambda f: self._sync_done(covered, f.result()))
+        if self._closed:
+            self._finish_sync(covered, StorageError("WAL sync asked for after shutdown"))
+            return
+        self._syncing = True
+        if self._fsync_thread is None:
+            self._fsync_thread = threading.Thread(
+                target=self._sync_loop, name="fila-fsync", daemon=True
+            )
+            self._fsync_thread.start()
+        self._sync_requests.put((asyncio.get_running_loop(), covered))
+
+    def _sync_loop(self) -> None:
+        """The fsync thread: one sync per request, its outcome handed straight to the loop."""
+        while (request := self._sync_requests.get()) is not None:
+            loop, covered = request
+            error = self._fsync()
+            try:
+                loop.call_soon_threadsafe(self._sync_done, covered, error)
+            except RuntimeError:  # the loop is closed: nothing waits on this sync any more
+                return
 
     def _fsync(self) -> StorageError | None:
         started = time.perf_counter()
@@ -186,6 +215,9 @@ class Committer:
             self._failed = exc
             log.critical("storage write failed, stopping", extra={"error": str(exc)})
             self._on_failure(self._failed)
+
+
+_SyncRequest = tuple[asyncio.AbstractEventLoop, list["_Waiters"]]
 
 
 class _Waiters:

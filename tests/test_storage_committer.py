@@ -1,0 +1,167 @@
+"""The group committer's sync-mode contract, in-process over memory storage.
+
+The fsync-before-answer proof against a real broker is `test_fsync.py` (strace);
+these pin down the committer's own rules, which that proof cannot isolate: a
+writer is answered only once a sync that *started after its write* has ended;
+writes that arrive during a sync share the next one; a sync error reaches every
+waiter and stops the broker; closing waits for the sync in flight, and a sync
+asked for after closing fails instead of leaving its writers waiting forever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import threading
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from fila.storage.backend import MemoryStorage, StorageError
+from fila.storage.committer import Committer
+
+DEADLINE_S = 10.0
+
+
+class GatedStorage(MemoryStorage):
+    """Memory storage whose `sync` blocks until the test opens the gate, on the fsync thread."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.entered = threading.Semaphore(0)
+        self.fail_with: StorageError | None = None
+        self.writes_at_sync: list[int] = []
+
+    def sync(self) -> None:
+        self.writes_at_sync.append(self.writes)
+        self.entered.release()
+        if not self.gate.wait(DEADLINE_S):
+            raise AssertionError("the test never opened the sync gate")
+        if self.fail_with is not None:
+            raise self.fail_with
+        super().sync()
+
+
+def in_loop(test: Callable[[], Awaitable[None]]) -> Callable[[], None]:
+    """Runs an async test in a fresh event loop (the committer needs a running one)."""
+
+    @functools.wraps(test)
+    def run() -> None:
+        asyncio.run(test())
+
+    return run
+
+
+async def _sync_started(storage: GatedStorage) -> None:
+    """Waits (off the loop, with a deadline) until the fsync thread is inside `sync`."""
+    entered = await asyncio.to_thread(storage.entered.acquire, True, DEADLINE_S)
+    assert entered, "no sync started"
+
+
+@in_loop
+async def test_a_writer_is_answered_only_after_a_sync_that_covers_its_write() -> None:
+    storage = GatedStorage()
+    committer = Committer(storage, "sync", lambda exc: None)
+    try:
+        committer.put(b"k", b"v")
+        done = committer.flushed()
+        await _sync_started(storage)
+        assert storage.writes_at_sync == [1]  # written to the WAL before the sync began
+        await asyncio.sleep(0)  # give a wrong answer every chance to arrive
+        assert not done.done()
+        storage.gate.set()
+        await asyncio.wait_for(done, DEADLINE_S)
+        assert storage.sync_count == 1
+        assert storage.get(b"k") == b"v"
+    finally:
+        storage.gate.set()
+        committer.close()
+
+
+@in_loop
+async def test_writes_during_a_sync_share_the_next_sync() -> None:
+    storage = GatedStorage()
+    committer = Committer(storage, "sync", lambda exc: None)
+    try:
+        committer.put(b"first", b"1")
+        first = committer.flushed()
+        await _sync_started(storage)
+        later = []
+        for i in range(5):  # five loop turns, five WAL writes, while the first sync runs
+            committer.put(b"later-%d" % i, b"x")
+            later.append(committer.flushed())
+            await asyncio.sleep(0)
+        assert storage.writes == 6
+        assert not any(f.done() for f in later)
+        storage.gate.set()
+        await asyncio.wait_for(first, DEADLINE_S)
+        await asyncio.wait_for(asyncio.gather(*later), DEADLINE_S)
+        assert storage.sync_count == 2  # one group for all five
+        assert storage.writes_at_sync == [1, 6]
+        assert committer.syncs == 2
+    finally:
+        storage.gate.set()
+        committer.close()
+
+
+@in_loop
+async def test_a_failed_sync_fails_every_waiter_and_stops_the_broker() -> None:
+    storage = GatedStorage()
+    failures: list[StorageError] = []
+    committer = Committer(storage, "sync", failures.append)
+    try:
+        storage.fail_with = StorageError("WAL sync failed: disk gone")
+        committer.put(b"k", b"v")
+        done = committer.flushed()
+        storage.gate.set()
+        with pytest.raises(StorageError, match="disk gone"):
+            await asyncio.wait_for(done, DEADLINE_S)
+        assert [str(f) for f in failures] == ["WAL sync failed: disk gone"]
+        committer.put(b"after", b"v")  # the broker refuses to go on as if written
+        with pytest.raises(StorageError, match="disk gone"):
+            await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    finally:
+        committer.close()
+
+
+@in_loop
+async def test_close_waits_for_the_sync_in_flight() -> None:
+    storage = GatedStorage()
+    committer = Committer(storage, "sync", lambda exc: None)
+    committer.put(b"k", b"v")
+    done = committer.flushed()
+    await _sync_started(storage)
+    closing = asyncio.create_task(asyncio.to_thread(committer.close))
+    await asyncio.sleep(0.05)  # close must still be waiting: the sync has not ended
+    assert not closing.done()
+    storage.gate.set()
+    await asyncio.wait_for(closing, DEADLINE_S)
+    assert storage.sync_count == 1
+    await asyncio.wait_for(done, DEADLINE_S)  # the loop still hears of the sync
+
+
+@in_loop
+async def test_a_sync_asked_for_after_close_fails_instead_of_hanging() -> None:
+    storage = GatedStorage()
+    storage.gate.set()
+    failures: list[StorageError] = []
+    committer = Committer(storage, "sync", failures.append)
+    committer.put(b"k", b"v")
+    await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    committer.close()
+    committer.put(b"late", b"v")
+    with pytest.raises(StorageError, match="after shutdown"):
+        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    assert len(failures) == 1
+
+
+@in_loop
+async def test_buffer_mode_answers_after_the_wal_write_without_a_sync() -> None:
+    storage = GatedStorage()  # the gate stays shut: a sync would block until the deadline
+    committer = Committer(storage, "buffer", lambda exc: None)
+    committer.put(b"k", b"v")
+    await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    assert storage.writes == 1
+    assert storage.writes_at_sync == []
+    committer.close()
