@@ -249,3 +249,39 @@ def test_a_storage_failure_while_serving_exits_3_without_a_traceback(
         assert "stopped because storage failed" in log
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+# -- gRPC's process-wide settings ---------------------------------------------------------
+
+
+def test_the_broker_sets_grpc_experiments_before_grpc_is_first_imported(tmp_path: Path) -> None:
+    """gRPC reads GRPC_EXPERIMENTS once, at import: set later, it is silently ignored."""
+    env = {k: v for k, v in os.environ.items() if k != "GRPC_EXPERIMENTS"}
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-X",
+            "importtime",
+            "-c",
+            "import os, fila.server.main; print(os.environ['GRPC_EXPERIMENTS'])",
+        ],
+        cwd=Path(__file__).resolve().parent.parent,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=STARTUP_LIMIT_S * 2,
+        check=True,
+    )
+    assert done.stdout.strip() == "-event_engine_listener"
+    imported = [line.rsplit("|", 1)[-1].strip() for line in done.stderr.splitlines()]
+    assert "fila.server.grpc_runtime" in imported and "grpc" in imported, done.stderr
+    assert imported.index("fila.server.grpc_runtime") < imported.index("grpc")
+
+
+def test_an_operators_grpc_experiments_are_kept_and_reported(
+    server_factory: ServerFactory,
+) -> None:
+    srv = server_factory(env={"GRPC_EXPERIMENTS": "-event_engine_client"})
+    listening = [line for line in srv.log_text().splitlines() if "listening" in line]
+    assert listening, srv.log_text()
+    assert "grpc_experiments=-event_engine_client " in listening[0]

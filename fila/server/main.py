@@ -25,6 +25,10 @@ from enum import IntEnum
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+# Before grpc: gRPC reads its experiments once, on first import (see the module).
+from fila.server.grpc_runtime import GRPC_EXPERIMENTS
+
+# isort: split
 import grpc
 from grpc_health.v1 import _async as health_aio
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -246,6 +250,7 @@ async def serve(config: Config) -> ExitCode:
             "persist_mode": config.storage.persist_mode,
             "direct_io": storage.direct_io,
             "paced_deletion": storage.paced_deletion,
+            "grpc_experiments": GRPC_EXPERIMENTS,
             "tls": credentials is not None,
             "auth": bool(config.auth.bootstrap_apikey),
             "max_connections": max_connections,
