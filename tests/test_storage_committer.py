@@ -11,12 +11,14 @@ asked for after closing fails instead of leaving its writers waiting forever.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
+from fila.config import PersistMode
 from fila.storage.backend import MemoryStorage, StorageError
 from fila.storage.committer import Committer
 
@@ -53,6 +55,20 @@ def in_loop(test: Callable[[], Awaitable[None]]) -> Callable[[], None]:
     return run
 
 
+@contextlib.contextmanager
+def gated_committer(
+    mode: PersistMode = "sync", on_failure: Callable[[StorageError], None] = lambda exc: None
+) -> Iterator[tuple[GatedStorage, Committer]]:
+    """A committer over gated storage; the gate is opened at the end so no sync is left blocked."""
+    storage = GatedStorage()
+    committer = Committer(storage, mode, on_failure)
+    try:
+        yield storage, committer
+    finally:
+        storage.gate.set()
+        committer.close()
+
+
 async def _sync_started(storage: GatedStorage) -> None:
     """Waits (off the loop, with a deadline) until the fsync thread is inside `sync`."""
     entered = await asyncio.to_thread(storage.entered.acquire, True, DEADLINE_S)
@@ -61,9 +77,7 @@ async def _sync_started(storage: GatedStorage) -> None:
 
 @in_loop
 async def test_a_writer_is_answered_only_after_a_sync_that_covers_its_write() -> None:
-    storage = GatedStorage()
-    committer = Committer(storage, "sync", lambda exc: None)
-    try:
+    with gated_committer() as (storage, committer):
         committer.put(b"k", b"v")
         done = committer.flushed()
         await _sync_started(storage)
@@ -74,16 +88,11 @@ async def test_a_writer_is_answered_only_after_a_sync_that_covers_its_write() ->
         await asyncio.wait_for(done, DEADLINE_S)
         assert storage.sync_count == 1
         assert storage.get(b"k") == b"v"
-    finally:
-        storage.gate.set()
-        committer.close()
 
 
 @in_loop
 async def test_writes_during_a_sync_share_the_next_sync() -> None:
-    storage = GatedStorage()
-    committer = Committer(storage, "sync", lambda exc: None)
-    try:
+    with gated_committer() as (storage, committer):
         committer.put(b"first", b"1")
         first = committer.flushed()
         await _sync_started(storage)
@@ -100,17 +109,12 @@ async def test_writes_during_a_sync_share_the_next_sync() -> None:
         assert storage.sync_count == 2  # one group for all five
         assert storage.writes_at_sync == [1, 6]
         assert committer.syncs == 2
-    finally:
-        storage.gate.set()
-        committer.close()
 
 
 @in_loop
 async def test_a_failed_sync_fails_every_waiter_and_stops_the_broker() -> None:
-    storage = GatedStorage()
     failures: list[StorageError] = []
-    committer = Committer(storage, "sync", failures.append)
-    try:
+    with gated_committer(on_failure=failures.append) as (storage, committer):
         storage.fail_with = StorageError("WAL sync failed: disk gone")
         committer.put(b"k", b"v")
         done = committer.flushed()
@@ -121,8 +125,6 @@ async def test_a_failed_sync_fails_every_waiter_and_stops_the_broker() -> None:
         committer.put(b"after", b"v")  # the broker refuses to go on as if written
         with pytest.raises(StorageError, match="disk gone"):
             await asyncio.wait_for(committer.flushed(), DEADLINE_S)
-    finally:
-        committer.close()
 
 
 @in_loop
@@ -158,10 +160,9 @@ async def test_a_sync_asked_for_after_close_fails_instead_of_hanging() -> None:
 
 @in_loop
 async def test_buffer_mode_answers_after_the_wal_write_without_a_sync() -> None:
-    storage = GatedStorage()  # the gate stays shut: a sync would block until the deadline
-    committer = Committer(storage, "buffer", lambda exc: None)
-    committer.put(b"k", b"v")
-    await asyncio.wait_for(committer.flushed(), DEADLINE_S)
-    assert storage.writes == 1
-    assert storage.writes_at_sync == []
-    committer.close()
+    # the gate stays shut until the end: a sync would block until the deadline
+    with gated_committer("buffer") as (storage, committer):
+        committer.put(b"k", b"v")
+        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+        assert storage.writes == 1
+        assert storage.writes_at_sync == []
