@@ -8,7 +8,7 @@ benchmark's load generator keep gRPC's defaults.
 the thread that already waits for gRPC's events, instead of handing every read and
 write to a pool of event-engine threads and back. On this 2-core broker at 50
 one-in-flight producers that cut context switches from 6.4 to 3.9 per message and
-the broker's CPU per durable message from 87-90 to 72-76 us (docs/benchmarks.md,
+the broker's CPU per durable message from 84-86 to 72-76 us (docs/benchmarks.md,
 "gRPC's listener"). gRPC documents the variable as the way to turn the experiment
 off. An operator's own `GRPC_EXPERIMENTS` is left as it is.
 """
