@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -316,7 +317,15 @@ def _nack_batch(who: As, queue: str) -> None:
 
 def _stream_consume(who: As, queue: str) -> None:
     opening = service_pb2.StreamConsumeRequest(queue=queue)
-    stream = who.svc.StreamConsume(iter([opening]), metadata=who.md, timeout=10)
+    # The request side stays open until the message is read: a half-close ends the
+    # stream with OK (docs/api.md), and could reach the broker before the delivery.
+    done = threading.Event()
+
+    def requests() -> Iterator[service_pb2.StreamConsumeRequest]:
+        yield opening
+        done.wait(10)
+
+    stream = who.svc.StreamConsume(requests(), metadata=who.md, timeout=10)
     try:
         frame = next(stream)
         while not frame.HasField("message"):  # keepalives
@@ -325,6 +334,7 @@ def _stream_consume(who: As, queue: str) -> None:
     except grpc.RpcError as err:
         _denied_as_error(err)
     finally:
+        done.set()
         stream.cancel()
 
 
