@@ -69,18 +69,22 @@ def gated_committer(
         committer.close()
 
 
-async def _sync_started(storage: GatedStorage) -> None:
-    """Waits (off the loop, with a deadline) until the fsync thread is inside `sync`."""
+async def _write_held_in_sync(
+    storage: GatedStorage, committer: Committer, key: bytes
+) -> asyncio.Future[None]:
+    """Writes `key` and waits (off the loop, with a deadline) until the fsync thread is
+    inside the `sync` that covers it; returns the writer's future."""
+    committer.put(key, b"v")
+    done = committer.flushed()
     entered = await asyncio.to_thread(storage.entered.acquire, True, DEADLINE_S)
     assert entered, "no sync started"
+    return done
 
 
 @in_loop
 async def test_a_writer_is_answered_only_after_a_sync_that_covers_its_write() -> None:
     with gated_committer() as (storage, committer):
-        committer.put(b"k", b"v")
-        done = committer.flushed()
-        await _sync_started(storage)
+        done = await _write_held_in_sync(storage, committer, b"k")
         assert storage.writes_at_sync == [1]  # written to the WAL before the sync began
         await asyncio.sleep(0)  # give a wrong answer every chance to arrive
         assert not done.done()
@@ -93,9 +97,7 @@ async def test_a_writer_is_answered_only_after_a_sync_that_covers_its_write() ->
 @in_loop
 async def test_writes_during_a_sync_share_the_next_sync() -> None:
     with gated_committer() as (storage, committer):
-        committer.put(b"first", b"1")
-        first = committer.flushed()
-        await _sync_started(storage)
+        first = await _write_held_in_sync(storage, committer, b"first")
         later = []
         for i in range(5):  # five loop turns, five WAL writes, while the first sync runs
             committer.put(b"later-%d" % i, b"x")
@@ -131,9 +133,7 @@ async def test_a_failed_sync_fails_every_waiter_and_stops_the_broker() -> None:
 async def test_close_waits_for_the_sync_in_flight() -> None:
     storage = GatedStorage()
     committer = Committer(storage, "sync", lambda exc: None)
-    committer.put(b"k", b"v")
-    done = committer.flushed()
-    await _sync_started(storage)
+    done = await _write_held_in_sync(storage, committer, b"k")
     closing = asyncio.create_task(asyncio.to_thread(committer.close))
     await asyncio.sleep(0.05)  # close must still be waiting: the sync has not ended
     assert not closing.done()
