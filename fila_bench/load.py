@@ -329,6 +329,18 @@ async def check_empty(admin: AsyncClient, queue: str) -> None:
         )
 
 
+async def check_stored(admin: AsyncClient, queue: str, ids: Collection[str]) -> None:
+    """After enqueues alone the broker must hold each answered id once: depth = answers."""
+    if len(set(ids)) != len(ids):
+        raise CheckFailed(f"queue {queue}: the broker answered the same id twice")
+    stats = await admin.get_stats(queue)
+    if stats.depth != len(ids):
+        raise CheckFailed(
+            f"queue {queue}: {len(ids)} enqueues answered, yet the broker reports "
+            f"depth {stats.depth}"
+        )
+
+
 async def paced(rate: float, stop: Callable[[], bool]) -> AsyncIterator[float]:
     """Yields the scheduled send time (`perf_counter()` seconds) of each tick of a fixed
     schedule of `rate` per second, until `stop()`.

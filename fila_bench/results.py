@@ -29,7 +29,7 @@ MIB = "MiB"
 PP = "pp"
 PCT = "%"
 COUNT = "count"
-RATIO = "ratio"  # a closed-loop rate over echo_ceiling_50c of the same run
+RATIO = "ratio"  # a rate over another of the same run: echo_ceiling_50c, or buffered
 
 # For files written before entries carried `higher_is_better`.
 _HIGHER_IS_BETTER_BY_UNIT = {MSG_S: True, "MB/s": True}

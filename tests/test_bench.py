@@ -217,6 +217,36 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
     assert "enqueue_1kb_sync_50p" in proc.stdout
 
 
+def test_paired_ratio_loads_both_brokers_and_checks_what_they_stored(tmp_path: Path) -> None:
+    """`durable_over_buffered_50c`: two real brokers at once, alternating slices, and a
+    depth check on each afterwards (it fails the run if an answered id was not stored)."""
+    out = tmp_path / "results.json"
+    argv = [
+        sys.executable,
+        "-m",
+        "fila_bench",
+        "system",
+        "--quick",
+        "--only",
+        "durable_over_buffered_50c",
+        "--measure-seconds",
+        "1",
+        "--warmup-seconds",
+        "0",
+        "--out",
+        str(out),
+    ]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(out.read_text())
+    assert "failures" not in doc or not doc["failures"]
+    (figure,) = doc["benchmarks"]  # a ratio of two rates of this run: no echo ceiling
+    assert figure["name"] == "durable_over_buffered_50c" and figure["unit"] == "ratio"
+    assert figure["higher_is_better"] is True and figure["gated"] is False
+    # both modes were measured: a mode that got no slice would make this 0 or fail
+    assert 0.1 < figure["value"] < 3
+
+
 # --- per-figure noise thresholds, Markdown, missing figures ---------------------------
 
 

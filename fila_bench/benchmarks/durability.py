@@ -10,16 +10,31 @@ Every id answered by an enqueue must be delivered exactly once (conservation), a
 the broker must report the queue empty afterwards. In sync mode every answer waits
 for an fsync; group commit is what should make throughput grow with N. Messages are
 256 bytes, job-sized, as in the seed reports.
+
+`durable_over_buffered_50c` measures the ratio of the two 50-connection enqueue rates
+a second way. The rows above run a minute apart, and on a shared host the rates of
+one mode drift by a quarter between minutes (docs/benchmarks.md, "Noise and the
+gate"), so the ratio of two rows carries that drift. Here both brokers run at once,
+each with its own 50 connections, and only one is loaded at a time: the measurement
+alternates between them in short slices (durable first in one pair, buffered first
+in the next), so both see the same host. The rows stay as they are, comparable with
+the seeds.
 """
 
 from __future__ import annotations
 
 from fila.config import PersistMode
 from fila_bench.case import Case, Context
-from fila_bench.conn import close_all, open_connections
+from fila_bench.conn import Connection, close_all, open_connections
 from fila_bench.echo import PAYLOAD_256B
-from fila_bench.load import check_empty, check_exactly_once, enqueue_for, worker_drain
-from fila_bench.results import Result, throughput
+from fila_bench.load import (
+    check_empty,
+    check_exactly_once,
+    check_stored,
+    enqueue_for,
+    worker_drain,
+)
+from fila_bench.results import RATIO, Result, throughput
 from fila_bench.server import broker
 from fila_sdk import AsyncClient
 
@@ -66,4 +81,62 @@ def _case(mode: PersistMode, connections: int) -> Case:
     return Case(f"{label}_{connections}c", outputs, run, ratios=outputs)
 
 
-CASES = [_case(mode, n) for mode in ("sync", "buffer") for n in CONNECTIONS]
+PAIRED_CONNECTIONS = 50
+PAIRED_SLICE_S = 0.5  # counted per slice; the profile's measure_s sets how many
+PAIRED_SETTLE_S = 0.1  # each slice's first answers, while the streams refill, not counted
+PAIRED_NAME = f"durable_over_buffered_{PAIRED_CONNECTIONS}c"
+
+
+async def _paired(ctx: Context) -> list[Result]:
+    p = ctx.profile
+    slices = max(2, round(p.measure_s / PAIRED_SLICE_S))
+    rates: dict[PersistMode, list[float]] = {"sync": [], "buffer": []}
+    ids: dict[PersistMode, list[str]] = {"sync": [], "buffer": []}
+    async with (
+        broker(ctx, "paired_durable", "sync") as durable,
+        broker(ctx, "paired_buffered", "buffer") as buffered,
+        AsyncClient(durable.addr) as durable_admin,
+        AsyncClient(buffered.addr) as buffered_admin,
+    ):
+        admins: dict[PersistMode, AsyncClient] = {"sync": durable_admin, "buffer": buffered_admin}
+        addrs: dict[PersistMode, str] = {"sync": durable.addr, "buffer": buffered.addr}
+        conns: dict[PersistMode, list[Connection]] = {}
+        try:
+            for mode, admin in admins.items():
+                await admin.create_queue(QUEUE)
+                conns[mode] = list(
+                    open_connections(addrs[mode], PAIRED_CONNECTIONS, dedicated=True)
+                )
+
+            async def load(mode: PersistMode, warmup_s: float, measure_s: float) -> float:
+                run = await enqueue_for(
+                    conns[mode],
+                    PAIRED_CONNECTIONS,
+                    QUEUE,
+                    warmup_s=warmup_s,
+                    measure_s=measure_s,
+                    payload=PAYLOAD,
+                )
+                ids[mode] += run.ids
+                return run.rate
+
+            for mode in admins if p.warmup_s > 0 else ():
+                ctx.status(f"warm-up, {LABELS[mode]}")
+                await load(mode, 0.0, p.warmup_s)
+            for index in range(slices):
+                order: tuple[PersistMode, ...] = ("sync", "buffer")
+                for mode in order if index % 2 == 0 else order[::-1]:
+                    ctx.status(f"slice {index + 1}/{slices}, {LABELS[mode]}")
+                    rates[mode].append(await load(mode, PAIRED_SETTLE_S, PAIRED_SLICE_S))
+        finally:
+            await close_all([c for pool in conns.values() for c in pool])
+        for mode, admin in admins.items():
+            await check_stored(admin, QUEUE, ids[mode])
+    ratio = sum(rates["sync"]) / sum(rates["buffer"]) if sum(rates["buffer"]) else 0.0
+    return [Result(PAIRED_NAME, ratio, RATIO, higher_is_better=True, gated=False)]
+
+
+CASES = [
+    *(_case(mode, n) for mode in ("sync", "buffer") for n in CONNECTIONS),
+    Case(PAIRED_NAME, (PAIRED_NAME,), _paired),
+]
