@@ -173,9 +173,10 @@ def test_failed_check_is_reported_and_exits_nonzero(
     assert [b["name"] for b in doc["benchmarks"]] == ["x_rate", "y_rate"]
 
 
-def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
-    """One real broker, one short window: the whole path from CLI to JSON, with the echo
-    ceiling measured around the case and the rate reported as a ratio to it."""
+def _real_run(
+    tmp_path: Path, only: str, measure_seconds: str
+) -> tuple[subprocess.CompletedProcess[str], dict[str, Any]]:
+    """`fila-bench system --quick --only ONLY` with no warm-up, as a user runs it; must pass."""
     out = tmp_path / "results.json"
     argv = [
         sys.executable,
@@ -184,9 +185,9 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
         "system",
         "--quick",
         "--only",
-        "enqueue_1kb_sync_50p",
+        only,
         "--measure-seconds",
-        "0.5",
+        measure_seconds,
         "--warmup-seconds",
         "0",
         "--out",
@@ -194,7 +195,14 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
     ]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    doc: dict[str, Any] = json.loads(out.read_text())
+    return proc, doc
+
+
+def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
+    """One real broker, one short window: the whole path from CLI to JSON, with the echo
+    ceiling measured around the case and the rate reported as a ratio to it."""
+    proc, doc = _real_run(tmp_path, "enqueue_1kb_sync_50p", "0.5")
     assert isinstance(doc["commit"], str) and doc["commit"]
     datetime.fromisoformat(doc["timestamp"])
     by_name = {b["name"]: b for b in doc["benchmarks"]}
@@ -220,25 +228,7 @@ def test_tiny_real_run_writes_valid_json(tmp_path: Path) -> None:
 def test_paired_ratio_loads_both_brokers_and_checks_what_they_stored(tmp_path: Path) -> None:
     """`durable_over_buffered_50c`: two real brokers at once, alternating slices, and a
     depth check on each afterwards (it fails the run if an answered id was not stored)."""
-    out = tmp_path / "results.json"
-    argv = [
-        sys.executable,
-        "-m",
-        "fila_bench",
-        "system",
-        "--quick",
-        "--only",
-        "durable_over_buffered_50c",
-        "--measure-seconds",
-        "1",
-        "--warmup-seconds",
-        "0",
-        "--out",
-        str(out),
-    ]
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    doc = json.loads(out.read_text())
+    _, doc = _real_run(tmp_path, "durable_over_buffered_50c", "1")
     assert "failures" not in doc or not doc["failures"]
     (figure,) = doc["benchmarks"]  # a ratio of two rates of this run: no echo ceiling
     assert figure["name"] == "durable_over_buffered_50c" and figure["unit"] == "ratio"

@@ -99,13 +99,12 @@ async def _paired(ctx: Context) -> list[Result]:
         AsyncClient(buffered.addr) as buffered_admin,
     ):
         admins: dict[PersistMode, AsyncClient] = {"sync": durable_admin, "buffer": buffered_admin}
-        addrs: dict[PersistMode, str] = {"sync": durable.addr, "buffer": buffered.addr}
         conns: dict[PersistMode, list[Connection]] = {}
         try:
-            for mode, admin in admins.items():
+            for (mode, admin), server in zip(admins.items(), (durable, buffered), strict=True):
                 await admin.create_queue(QUEUE)
                 conns[mode] = list(
-                    open_connections(addrs[mode], PAIRED_CONNECTIONS, dedicated=True)
+                    open_connections(server.addr, PAIRED_CONNECTIONS, dedicated=True)
                 )
 
             async def load(mode: PersistMode, warmup_s: float, measure_s: float) -> float:
