@@ -47,6 +47,7 @@ from fila.server.limits import connection_cap, raise_open_files_limit
 from fila.server.memory import HeapTrimmer
 from fila.storage.backend import CorruptionError, RocksStorage, StorageError
 from fila.storage.committer import Committer
+from fila.storage.layout import upgrade_layout
 from fila.storage.salvage import salvage
 from fila.telemetry.logs import configure_logging
 
@@ -130,12 +131,25 @@ def tls_credentials(config: Config) -> grpc.ServerCredentials | None:
 
 
 def open_storage(data_dir: Path, direct_io: bool) -> RocksStorage:
+    """Opens the database and brings an older key layout up to date before anything reads it."""
     try:
-        return RocksStorage(data_dir, direct_io=direct_io)
+        storage = RocksStorage(data_dir, direct_io=direct_io)
     except CorruptionError as exc:
         raise StartupError(str(exc), ExitCode.DATA_DAMAGED) from None
     except StorageError as exc:
         raise StartupError(str(exc)) from None
+    try:
+        moved = upgrade_layout(storage)
+    except StorageError as exc:
+        storage.close()
+        damaged = isinstance(exc, CorruptionError)
+        raise StartupError(
+            f"upgrading the key layout of {data_dir}: {exc}",
+            ExitCode.DATA_DAMAGED if damaged else ExitCode.STARTUP_FAILED,
+        ) from None
+    if moved:
+        log.info("key layout upgraded", extra={"records_moved": moved})
+    return storage
 
 
 async def serve(config: Config) -> ExitCode:

@@ -78,6 +78,7 @@ def _copy_readable(source: Rdict, target: Rdict, report: SalvageReport) -> None:
         keys.ACL: "acls",
         keys.NODE: "cluster identity",
     }
+    names.update({legacy: names[current] for legacy, current in keys.LEGACY_TAGS.items()})
     while True:
         while _valid(it):
             key = cast(bytes, it.key())
