@@ -4,6 +4,7 @@ older layout is brought up to date at startup (`fila.storage.layout`)."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from pathlib import Path
@@ -16,7 +17,7 @@ from support.stubs import connect
 from fila.core.clock import SystemClock
 from fila.core.ids import IdGenerator
 from fila.storage import keys
-from fila.storage.backend import Batch, CorruptionError, MemoryStorage, RocksStorage, rocks_options
+from fila.storage.backend import Batch, MemoryStorage, RocksStorage, rocks_options
 from fila.storage.layout import upgrade_layout
 
 SETTLE_S = 30.0
@@ -112,18 +113,24 @@ def test_the_upgrade_moves_old_records_to_their_new_tags_and_leaves_the_rest() -
     assert storage.sync_count == syncs + 1
 
 
-def test_a_record_under_both_tags_stops_the_upgrade_and_changes_nothing() -> None:
+def test_a_record_under_both_tags_takes_the_one_an_older_broker_wrote_later(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Only an older fila-server writes the old tags, and only after an upgrade removed
+    them all: its record is the newer one."""
     storage = MemoryStorage()
-    _legacy(storage, qa=b"old a", qorders=b"old orders")
     batch = Batch()
-    batch.put(keys.queue_key("orders"), b"new orders")
+    batch.put(keys.queue_key("orders"), b"upgraded orders")
+    batch.put(keys.queue_key("plain"), b"plain")
     storage.write(batch)
+    _legacy(storage, qorders=b"orders written later")
 
-    with pytest.raises(CorruptionError, match="both its old and its new key"):
-        upgrade_layout(storage)
-    assert storage.get(b"qa") == b"old a" and storage.get(keys.queue_key("a")) is None
-    assert storage.get(b"qorders") == b"old orders"
-    assert storage.get(keys.queue_key("orders")) == b"new orders"
+    with caplog.at_level(logging.WARNING, logger="fila.storage"):
+        assert upgrade_layout(storage) == 1
+    assert storage.get(keys.queue_key("orders")) == b"orders written later"
+    assert storage.get(b"qorders") is None
+    assert storage.get(keys.queue_key("plain")) == b"plain"
+    assert [r.key for r in caplog.records] == ["Qorders"]  # type: ignore[attr-defined]
 
 
 def _downgrade_to_the_old_layout(data_dir: Path) -> int:

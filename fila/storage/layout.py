@@ -8,15 +8,20 @@ deleted, in one atomic batch, synced before anything reads the data. A crash
 during the upgrade leaves either the old layout or the new one, never a mix, and
 the next start finishes the job.
 
-A record present under both tags means two brokers of different versions wrote the
-directory (an older one opened it after an upgrade); which copy is current cannot
-be told, so the broker refuses to start and names the record instead of guessing.
+A record found under both tags was written under the old one by an older
+fila-server run after the upgrade (the upgrade leaves no old key behind, and this
+version never writes one), so the old key holds the newer record: it replaces the
+other, and the log names it.
 """
 
 from __future__ import annotations
 
+import logging
+
 from fila.storage import keys
-from fila.storage.backend import Batch, CorruptionError, Storage
+from fila.storage.backend import Batch, Storage
+
+log = logging.getLogger("fila.storage")
 
 
 def upgrade_layout(storage: Storage) -> int:
@@ -27,10 +32,9 @@ def upgrade_layout(storage: Storage) -> int:
         for old_key, value in storage.scan(legacy):
             new_key = current + old_key[len(legacy) :]
             if storage.get(new_key) is not None:
-                raise CorruptionError(
-                    f"record {old_key[:64]!r} is stored under both its old and its new key "
-                    f"({new_key[:64]!r}): this data directory was written by fila-server "
-                    "versions of two key layouts, and which copy is current is unknown"
+                log.warning(
+                    "key layout: replaced a record with the one an older fila-server wrote later",
+                    extra={"key": new_key.decode(errors="replace")},
                 )
             batch.put(new_key, value)
             batch.delete(old_key)
