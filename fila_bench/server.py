@@ -132,13 +132,19 @@ _EVENT = re.compile(
 def rocksdb_events(server: ServerProcess) -> dict[str, int] | None:
     """Counts of flush and compaction events in the broker's RocksDB LOG, or None.
 
-    A trivial move is a compaction that moves tables to a lower level without
-    rewriting them, logged as its own event instead of a started and finished pair.
     The LOG sits in `<data_dir>/db` (where `fila.storage.backend.RocksStorage` puts
     the database); if a future layout moves it, the compaction benchmark still runs
     and just cannot prove a compaction happened.
     """
-    log = server.data_dir / "db" / "LOG"
+    return rocksdb_log_events(server.data_dir / "db" / "LOG")
+
+
+def rocksdb_log_events(log: Path) -> dict[str, int] | None:
+    """Counts of flush and compaction events in a RocksDB LOG file, or None if unreadable.
+
+    A trivial move is a compaction that moves tables to a lower level without
+    rewriting them, logged as its own event instead of a started and finished pair.
+    """
     try:
         text = log.read_text(encoding="utf-8", errors="replace")
     except OSError:
