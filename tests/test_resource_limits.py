@@ -12,16 +12,16 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerFactory, wait_until
-from support.stubs import RPC_TIMEOUT_S, connect, rpc_error
+from support.stubs import RPC_TIMEOUT_S, Fila, connect, rpc_error
 
 from fila.server.process import ServerStartError
-from fila.v1 import admin_pb2, service_pb2
+from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 PROMPT_S = 10.0
 MiB = 1024 * 1024
@@ -95,14 +95,45 @@ def test_idle_connections_cannot_stop_the_broker_or_lock_out_clients(
     assert "server.max_connections=1024 lowered to 128" in server.log_text()
     with _idle_sockets(server.addr, 306) as idle:
         assert len(idle) >= 200
-        # The handshake timeout frees the slots; a real client gets through.
-        wait_until(lambda: _healthy(server.addr), PROMPT_S, what="health check answered")
-        with connect(server.addr) as fila:
-            fila.create_queue("still-works")
+        # The handshake timeout frees the slots; a real client gets through. Like any
+        # client it retries UNAVAILABLE while the cap is full (idle sockets still in the
+        # listen backlog take freed slots first), on one channel that reconnects
+        # promptly: gRPC's default backoff grows past the test's deadline, and channels
+        # with default options share one subchannel and its backoff (seen in CI).
+        with grpc.insecure_channel(server.addr, options=_PROMPT_RECONNECT) as channel:
+            fila = Fila(
+                channel,
+                service_pb2_grpc.FilaServiceStub(channel),
+                admin_pb2_grpc.FilaAdminStub(channel),
+            )
+            wait_until(
+                lambda: _unavailable_or(lambda: fila.create_queue("still-works")),
+                PROMPT_S,
+                what="CreateQueue answered",
+            )
             for _ in range(50):
                 fila.enqueue("still-works", b"x")
             assert fila.stats("still-works").depth == 50
+    assert _healthy(server.addr)
     assert server.running
+
+
+_PROMPT_RECONNECT = [
+    ("grpc.initial_reconnect_backoff_ms", 50),
+    ("grpc.min_reconnect_backoff_ms", 50),
+    ("grpc.max_reconnect_backoff_ms", 200),
+]
+
+
+def _unavailable_or(call: Callable[[], object]) -> bool:
+    """True once `call` succeeds; False while the broker turns the connection away."""
+    try:
+        call()
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.UNAVAILABLE:
+            raise
+        return False
+    return True
 
 
 def test_unauthenticated_giant_requests_do_not_make_the_broker_hold_them(
