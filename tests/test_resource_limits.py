@@ -114,7 +114,7 @@ def test_idle_connections_cannot_stop_the_broker_or_lock_out_clients(
             for _ in range(50):
                 fila.enqueue("still-works", b"x")
             assert fila.stats("still-works").depth == 50
-    assert _healthy(server.addr)
+    wait_until(lambda: _healthy(server.addr), PROMPT_S, what="health check answered")
     assert server.running
 
 
