@@ -39,6 +39,11 @@ class BufferBudget:
         return self.bytes >= self.limit
 
 
+def _time_out(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
 class Consumer:
     __slots__ = (
         "_buffer",
@@ -73,7 +78,7 @@ class Consumer:
         self.max_buffered_bytes = max_buffered_bytes
         self.budget = budget
         self._buffer: deque[tuple[Lease, bytes]] = deque()
-        self._waiter: asyncio.Future[None] | None = None
+        self._waiter: asyncio.Future[bool] | None = None
         self._closed_with: BrokerError | None = None
         self.unsettled = 0
         self.buffered_bytes = 0
@@ -104,7 +109,7 @@ class Consumer:
         self._buffer.append((lease, record))
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(True)
 
     def take(self, limit: int) -> list[tuple[Lease, bytes]]:
         """Up to `limit` buffered deliveries, oldest first; raises the close reason if closed."""
@@ -124,17 +129,21 @@ class Consumer:
         return taken
 
     async def wait(self, timeout_s: float) -> bool:
-        """Waits for a delivery or for close; False if `timeout_s` passed with neither."""
+        """Waits for a delivery or for close; False if `timeout_s` passed with neither.
+
+        A bare future and a timer rather than `asyncio.wait_for`, whose own callback
+        between the future and the task costs the delivery one more turn of the loop."""
         if self._buffer or self._closed_with is not None:
             return True
-        self._waiter = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        waiter: asyncio.Future[bool] = loop.create_future()
+        self._waiter = waiter
+        timer = loop.call_later(timeout_s, _time_out, waiter)
         try:
-            await asyncio.wait_for(self._waiter, timeout_s)
-        except TimeoutError:
-            return False
+            return await waiter
         finally:
+            timer.cancel()
             self._waiter = None
-        return True
 
     def close(self, reason: BrokerError) -> None:
         """Ends the stream with `reason` (the first reason given wins). What it holds
@@ -143,7 +152,7 @@ class Consumer:
             self._closed_with = reason
         waiter = self._waiter
         if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+            waiter.set_result(True)
 
     def release_unsent(self) -> list[Lease]:
         """Empties the buffer; returns the leases whose messages were never sent."""
