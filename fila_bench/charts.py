@@ -117,11 +117,21 @@ def _latency(fig: Figure, values: Values, title: str) -> bool:
     if not xs:
         return False
     ax = fig.add_subplot()
-    width = 0.4
-    ours = ax.bar([i - width / 2 for i in xs], ys, width, label="ours")
+    width = 0.27
+    ours = ax.bar([i - width for i in xs], ys, width, label="ours")
     ax.bar_label(ours, fmt="%.2f")
+    floor_names = [f"latency_floor_{names[i].split('_')[1]}_ms" for i in xs]
+    if all(n in values for n in floor_names):
+        floor = ax.bar(
+            xs,
+            [values[n] for n in floor_names],
+            width,
+            color="tab:green",
+            label="the floor: bare gRPC server + fdatasync, same run",
+        )
+        ax.bar_label(floor, fmt="%.2f")
     theirs = ax.bar(
-        [i + width / 2 for i in xs],
+        [i + width for i in xs],
         [PUBLISHED[names[i]] for i in xs],
         width,
         color="lightgrey",
