@@ -21,8 +21,6 @@ cannot outlive the benchmark that started it.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
 import sys
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -31,18 +29,16 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from fila.server.process import free_port
 from fila.v1 import service_pb2
 from fila_bench.conn import Connection, UnaryConnection, close_all
-from fila_bench.cpus import pin_process
 from fila_bench.load import enqueue_for
+from fila_bench.sidecar import sidecar, until_stdin_closes
 
 ECHO_CASE = "echo_ceiling_50c"
 SERVICE = "fila.v1.FilaService"
 CONNECTIONS = 50
 PAYLOAD_256B = b"j" * 256  # the payload of the durability matrix's one-in-flight rows
 _CANNED = service_pb2.EnqueueResponse(message_id="00000000-0000-7000-8000-000000000000")
-_READY_TIMEOUT_S = 20.0
 
 
 async def _enqueue(request: service_pb2.EnqueueRequest, context: Any) -> Any:
@@ -61,15 +57,7 @@ async def serve(port: int) -> None:
     )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    stdin_closed = asyncio.Event()
-    loop = asyncio.get_running_loop()
-
-    def on_stdin() -> None:
-        if not os.read(sys.stdin.fileno(), 4096):
-            stdin_closed.set()
-
-    loop.add_reader(sys.stdin.fileno(), on_stdin)
-    await stdin_closed.wait()
+    await until_stdin_closes()
     await server.stop(0)
 
 
@@ -101,33 +89,12 @@ class EchoCeiling:
 @asynccontextmanager
 async def echo_ceiling(server_cpus: frozenset[int] | None) -> AsyncIterator[EchoCeiling]:
     """Starts the echo server (pinned like a broker) and connects to it."""
-    port = free_port()
-    proc = await asyncio.to_thread(
-        subprocess.Popen,
-        [sys.executable, "-m", "fila_bench.echo", str(port)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-    )
-    ceiling: EchoCeiling | None = None
-    try:
-        ceiling = EchoCeiling(f"127.0.0.1:{port}")
-        async with asyncio.timeout(_READY_TIMEOUT_S):
-            channel = grpc.aio.insecure_channel(ceiling.addr)
-            await channel.channel_ready()
-            await channel.close(None)
-        if server_cpus is not None:  # once serving, so its gRPC threads exist to be pinned
-            pin_process(proc.pid, server_cpus)
-        yield ceiling
-    finally:
-        if ceiling is not None:
-            await ceiling.close()
-        if proc.stdin is not None:
-            proc.stdin.close()
+    async with sidecar("fila_bench.echo", [], server_cpus) as server:
+        ceiling = EchoCeiling(server.addr)
         try:
-            await asyncio.to_thread(proc.wait, 10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            await asyncio.to_thread(proc.wait)
+            yield ceiling
+        finally:
+            await ceiling.close()
 
 
 def main() -> None:

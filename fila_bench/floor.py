@@ -35,7 +35,6 @@ import json
 import os
 import queue
 import shutil
-import subprocess
 import sys
 import tempfile
 import threading
@@ -48,12 +47,9 @@ from typing import Any
 import grpc
 import grpc.aio
 
-from fila.server.process import free_port
 from fila.v1 import admin_pb2, messages_pb2, service_pb2
-from fila_bench.cpus import pin_process
 from fila_bench.load import CheckFailed
-
-_READY_TIMEOUT_S = 20.0
+from fila_bench.sidecar import sidecar, until_stdin_closes
 
 
 class SyncedLog:
@@ -189,14 +185,7 @@ async def serve(port: int, directory: Path) -> int:
     server.add_generic_rpc_handlers(FloorService(log).handlers())
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    stdin_closed = asyncio.Event()
-
-    def on_stdin() -> None:
-        if not os.read(sys.stdin.fileno(), 4096):
-            stdin_closed.set()
-
-    loop.add_reader(sys.stdin.fileno(), on_stdin)
-    await stdin_closed.wait()
+    await until_stdin_closes()
     await server.stop(1)  # a grace period: calls end with GOAWAY NO_ERROR, not logged
     log.close()
     return log.syncs
@@ -219,31 +208,14 @@ class Floor:
 async def latency_floor(workdir: Path, server_cpus: frozenset[int] | None) -> AsyncIterator[Floor]:
     """Starts the floor server (pinned like a broker, its file under `workdir`); on
     exit stops it and records its sync count in the yielded `Floor`."""
-    port = free_port()
     directory = Path(tempfile.mkdtemp(prefix="latency-floor-", dir=workdir))
-    proc = await asyncio.to_thread(
-        subprocess.Popen,
-        [sys.executable, "-m", "fila_bench.floor", str(port), str(directory)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-    )
-    floor = Floor(f"127.0.0.1:{port}")
     try:
-        async with asyncio.timeout(_READY_TIMEOUT_S):
-            channel = grpc.aio.insecure_channel(floor.addr)
-            await channel.channel_ready()
-            await channel.close(None)
-        if server_cpus is not None:  # once serving, so its threads exist to be pinned
-            pin_process(proc.pid, server_cpus)
-        yield floor
+        async with sidecar("fila_bench.floor", [str(directory)], server_cpus) as server:
+            floor = Floor(server.addr)
+            yield floor
+        if server.output:
+            floor.syncs = int(json.loads(server.output)["syncs"])
     finally:
-        try:
-            out, _ = await asyncio.to_thread(proc.communicate, None, 10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = await asyncio.to_thread(proc.communicate)
-        if out:
-            floor.syncs = int(json.loads(out)["syncs"])
         await asyncio.to_thread(shutil.rmtree, directory, True)
 
 
