@@ -186,6 +186,36 @@ def test_stream_enqueue_answers_by_sequence_and_keeps_the_stream_after_bad_items
         assert payloads == [b"%d" % i for i in range(50)]
 
 
+def test_stream_enqueue_answers_every_stored_request_before_refusing_an_undecodable_one(
+    server_factory: ServerFactory,
+) -> None:
+    """Requests before the bad frame were stored: each gets its answer, then the status."""
+    server = server_factory()
+    frames = [
+        service_pb2.StreamEnqueueRequest(
+            sequence_number=seq, messages=[_enq("q", b"%d" % seq)]
+        ).SerializeToString()
+        for seq in range(1, 21)
+    ]
+    with connect(server.addr) as fila, grpc.insecure_channel(server.addr) as channel:
+        fila.create_queue("q")
+        raw = channel.stream_stream(
+            "/fila.v1.FilaService/StreamEnqueue",
+            request_serializer=lambda frame: frame,
+            response_deserializer=service_pb2.StreamEnqueueResponse.FromString,
+        )
+        answered: list[int] = []
+        with pytest.raises(grpc.RpcError) as ended:
+            for response in raw(iter([*frames, b"\xff\xff\xff"]), timeout=RPC_TIMEOUT_S):
+                assert [r.WhichOneof("result") for r in response.results] == ["message_id"]
+                answered.append(response.sequence_number)
+        assert ended.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a valid fila.v1.StreamEnqueueRequest" in (ended.value.details() or "")
+        assert answered == list(range(1, 21))
+        assert fila.stats("q").depth == 20
+    assert "never retrieved" not in server.log_text()
+
+
 def test_consume_max_batch_sends_messages_in_frames_never_in_message(
     server_factory: ServerFactory,
 ) -> None:

@@ -71,7 +71,10 @@ class FilaService:
 
         Requests are taken as they arrive and handed to the broker at once, so many
         can be in flight on one stream and share group commits; a second task writes
-        the answers as their commits complete."""
+        the answers as their commits complete. A request that ends the stream (one
+        that does not decode, or a key revoked meanwhile) still lets every request
+        before it be answered first: those were stored, and a client that never
+        heard so could only enqueue them again."""
         broker = self._broker
         answers: asyncio.Queue[tuple[int, list[ItemResult], asyncio.Future[None]] | None]
         answers = asyncio.Queue()
@@ -85,11 +88,18 @@ class FilaService:
                 )
 
         writer = asyncio.create_task(write_answers())
+        ending: BrokerError | None = None
         try:
             async for request in requests:
                 if isinstance(request, BadRequest):
-                    await rpc.refuse(request, "StreamEnqueue", context)
-                access.require_key()
+                    rpc.BAD_REQUESTS.note("StreamEnqueue", request)
+                    ending = request.error()
+                    break
+                try:
+                    access.require_key()
+                except BrokerError as exc:
+                    ending = exc
+                    break
                 try:
                     self._check_batch_size(len(request.messages), "messages", allow_empty=True)
                     items, merge = access.screen(Kind.PRODUCE, request.messages, _queue_of)
@@ -103,6 +113,8 @@ class FilaService:
                     break
             answers.put_nowait(None)
             await writer
+            if ending is not None:
+                raise ending
         finally:
             if not writer.done():
                 writer.cancel()
