@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.core import CoreBroker, make_core
 
+from fila.config import parse_config
 from fila.core.clock import ManualClock
 from fila.core.drr import Drr
 from fila.core.errors import MessageNotFound
@@ -23,6 +24,7 @@ from fila.core.throttle import Throttles
 from fila.core.timers import Timers
 from fila.lua.hooks import LuaLimits, QueueHooks
 from fila.storage import keys
+from fila.v1 import service_pb2
 
 
 def run(test: Callable[[], Awaitable[None]]) -> None:
@@ -189,6 +191,44 @@ def test_a_batch_frame_records_its_leases_in_one_write() -> None:
         writes = core.storage.writes
         assert core.take(consumer) == ids
         assert core.storage.writes == writes + 1  # one WAL append for the frame of ten
+
+    run(scenario)
+
+
+def test_delivered_counts_the_messages_sent_not_those_only_buffered() -> None:
+    async def scenario() -> None:
+        core = make_core(queues=["q"])
+        await core.enqueue("q", 5)
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=5, max_batch=2)
+        await core.settle()
+        assert consumer.unsettled == 5  # all five leased into the stream's buffer
+        assert core.broker.delivery.sending(consumer, 2) is not None  # one frame of two
+        core.broker.delivery.detach_consumer(consumer)  # three go back, never sent
+        queue = core.broker.queues["q"]
+        assert queue.counters.delivered == 2
+        assert queue.key_deliveries == {"default": 2}
+        assert sum(queue.latency.counts) == 2  # fila.delivery.latency: first deliveries sent
+
+    run(scenario)
+
+
+def test_deleting_a_queue_whose_streams_spent_the_buffer_budget_unblocks_the_others() -> None:
+    async def scenario() -> None:
+        config = parse_config("[scheduler]\ntotal_buffer_bytes = 2048\n", "test")
+        core = make_core(queues=["a", "b"], config=config)
+        big = [service_pb2.EnqueueRequest(queue="a", payload=bytes(1500)) for _ in range(3)]
+        _, committed = core.broker.enqueue(big)
+        await committed
+        core.broker.delivery.attach_consumer("a", prefetch=10)  # a stream that never sends
+        await core.settle()
+        assert core.broker.buffers.exhausted
+        waiting = core.broker.delivery.attach_consumer("b")
+        (message_id,) = await core.enqueue("b")
+        assert core.take(waiting) == []  # held back: every stream's budget is spent
+        await core.broker.admin.delete_queue("a")
+        await core.settle()
+        assert not core.broker.buffers.exhausted
+        assert core.take(waiting) == [message_id]
 
     run(scenario)
 

@@ -389,6 +389,7 @@ class Administration:
         self.broker.unmark_dirty(queue)
         committer = self.broker.committer
         queue.consumers.close_all(QueueNotFound(queue.name))
+        self.broker.delivery.buffers_released()  # its streams' buffers count no more
         for lease in queue.leases.end_all():
             committer.delete(lease.ref.key)
         for ref in queue.delayed.values():

@@ -76,6 +76,7 @@ class Delivery:
         consumer.close(reason or Unavailable("consumer closed"))
         unsent = consumer.release_unsent()
         if queue is None or not queue.consumers.remove(consumer):
+            self.buffers_released()
             return
         for lease in unsent:
             if lease.active and not lease.sent:
@@ -84,7 +85,7 @@ class Delivery:
             for lease in list(consumer.stream_leases.values()):
                 if lease.active:
                     self.broker.return_sent(queue, lease)
-        self._unblock_buffers()
+        self.buffers_released()
 
     def sending(self, consumer: Consumer, limit: int) -> bytes | None:
         """The next frame for `consumer`'s stream, or None if nothing is buffered.
@@ -99,12 +100,15 @@ class Delivery:
         if queue is None:
             return None
         live = queue.leases.sent(lease for lease, _ in taken)
+        now = self.broker.clock.now_ms()
+        for lease in live:  # a delivery is a lease sent, not one buffered (GetStats)
+            queue.count_delivery(lease.ref, now)
         if len(live) != len(taken):
             active = {id(lease) for lease in live}
             taken = [item for item in taken if id(item[0]) in active]
         if queue.consumers.room_freed(consumer):
             self.broker.mark_dirty(queue)
-        self._unblock_buffers()
+        self.buffers_released()
         if not taken:
             return None
         if consumer.max_batch > 1:
@@ -140,11 +144,13 @@ class Delivery:
                 continue
             consumer.offer(grant(ref, consumer, now, timeout, len(record)), record)
             ring.served(consumer)
-            queue.count_delivery(ref, now)
         if drr.newly_parked:
             self._schedule_throttle_wake(queue, drr.take_newly_parked())
 
-    def _unblock_buffers(self) -> None:
+    def buffers_released(self) -> None:
+        """Stream buffers gave bytes back: if the pump stopped because the broker-wide
+        budget was spent, every queue gets its turn again (not only the one whose
+        stream freed them: a deleted queue's, say, has no turn left to take)."""
         if self._buffers_blocked and not self.broker.buffers.exhausted:
             self._buffers_blocked = False
             self.broker.mark_all_dirty()
