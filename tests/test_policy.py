@@ -318,6 +318,9 @@ def test_redrive_count_larger_than_dlq(server: ServerProcess) -> None:
         assert redrive(fila, "few.dlq", 10) == 2
         wait_depth(fila, "few", (2, 0))
         assert depth(fila, "few.dlq") == (0, 0)
+        dead_letter_all(fila, "few", ids)
+        assert redrive(fila, "few.dlq", 2**64 - 1) == 2  # the largest uint64: "all of them"
+        wait_depth(fila, "few", (2, 0))
 
 
 def test_redrive_skips_leased_dlq_messages(server: ServerProcess) -> None:

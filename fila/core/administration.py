@@ -223,7 +223,8 @@ class Administration:
         if not source_name:
             raise InvalidArgument(f'queue "{dlq_name}" is not a dead-letter queue')
         source = self.broker.queue(source_name)
-        wanted = count if count > 0 else dlq.drr.ready_count
+        ready = dlq.drr.ready_count
+        wanted = min(count, ready) if count > 0 else ready  # any uint64 count is valid
         planned: list[tuple[MessageRef, bytes]] = []
         for ref in itertools.islice(dlq.drr.iter_ready(), wanted):
             record = self.broker.read_record(ref.key)
