@@ -20,7 +20,7 @@ from fila.core.clock import ManualClock
 from fila.core.drr import Drr
 from fila.core.errors import MessageNotFound
 from fila.core.records import MessageRef
-from fila.core.throttle import Throttles
+from fila.core.throttle import Throttles, parse_throttle_value
 from fila.core.timers import Timers
 from fila.lua.hooks import LuaLimits, QueueHooks
 from fila.storage import keys
@@ -139,6 +139,18 @@ def test_token_bucket_refills_at_its_rate_up_to_its_burst() -> None:
 
 
 # -- the broker: delivery, leases, delays, storage writes ---------------------------------
+
+
+@pytest.mark.parametrize("value", ["20,5", "0.5,1", " .25 , 2 ", "1e3,10", "+3,1."])
+def test_throttle_values_are_decimal_rate_and_burst(value: str) -> None:
+    rate, burst = (float(part) for part in value.split(","))
+    assert parse_throttle_value(value) == (rate, burst)
+
+
+@pytest.mark.parametrize("value", ["1_0,1", "nan,1", "inf,1", "1,infinity", "0x10,1", "1,2,3", "1"])
+def test_throttle_values_refuse_what_is_not_a_plain_number(value: str) -> None:
+    with pytest.raises(ValueError):
+        parse_throttle_value(value)
 
 
 def test_a_lease_expires_on_the_clock_and_the_message_comes_back_counted() -> None:

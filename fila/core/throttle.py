@@ -9,6 +9,7 @@ an idle bucket costs nothing.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -51,15 +52,19 @@ class ThrottleStats:
     burst: float
 
 
+# A plain decimal number, as an operator writes one: 20, 0.5, .5, 1e3.
+_DECIMAL = re.compile(r"\s*\+?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?\s*")
+
+
 def parse_throttle_value(value: str) -> tuple[float, float]:
     """Parses ``"<rate>,<burst>"``; raises ValueError with a reason a user can act on."""
     parts = value.split(",")
     if len(parts) != 2:
         raise ValueError(f'expected "<rate>,<burst>", got "{value[:80]}"')
-    try:
-        rate, burst = float(parts[0]), float(parts[1])
-    except ValueError:
-        raise ValueError(f'rate and burst must be numbers, got "{value[:80]}"') from None
+    if not all(_DECIMAL.fullmatch(part) for part in parts):
+        # float() alone would also take "1_0", "nan" and "inf"
+        raise ValueError(f'rate and burst must be decimal numbers, got "{value[:80]}"')
+    rate, burst = float(parts[0]), float(parts[1])
     if not (math.isfinite(rate) and MIN_RATE <= rate <= MAX_RATE):
         raise ValueError(
             f"rate must be from {MIN_RATE:g} to {MAX_RATE:g} tokens per second, "
