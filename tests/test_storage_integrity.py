@@ -27,11 +27,13 @@ DATA_DAMAGED = 4
 PROMPT_S = 10.0
 
 
-def _run_server(server: ServerProcess, *args: str, timeout: float = 30.0) -> tuple[int, str]:
+def _fila_server(
+    server: ServerProcess, *args: str, timeout: float = 30.0
+) -> subprocess.CompletedProcess[str]:
     """Runs fila-server with the harness's environment until it exits by itself."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FILA_")}
     env.update(FILA_DATA_DIR=str(server.data_dir), FILA_LISTEN_ADDR=server.addr)
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "fila.server.main", *args],
         env=env,
         capture_output=True,
@@ -39,7 +41,16 @@ def _run_server(server: ServerProcess, *args: str, timeout: float = 30.0) -> tup
         timeout=timeout,
         check=False,
     )
+
+
+def _run_server(server: ServerProcess, *args: str, timeout: float = 30.0) -> tuple[int, str]:
+    proc = _fila_server(server, *args, timeout=timeout)
     return proc.returncode, proc.stderr
+
+
+def _run_repair(server: ServerProcess) -> tuple[int, str]:
+    proc = _fila_server(server, "--repair", timeout=60.0)
+    return proc.returncode, proc.stdout + proc.stderr
 
 
 def _fill(server: ServerProcess, queues: dict[str, int]) -> None:
@@ -175,3 +186,60 @@ def test_a_bit_flip_in_the_wal_after_kill_9_refuses_instead_of_dropping_acknowle
     server.start()
     with connect(server.addr) as fila:
         assert fila.stats("orders").depth == 1000
+
+
+def _message_key(message_id: str) -> bytes:
+    return keys.MESSAGE + bytes.fromhex(message_id.replace("-", ""))
+
+
+def test_repair_after_wal_damage_keeps_every_readable_write_and_reports_the_rest(
+    server_factory: ServerFactory,
+) -> None:
+    """A damaged WAL record (here an ack's) costs only its own writes: every answered
+    enqueue after it is kept, the report names the skipped bytes and what they cost,
+    and the damaged original is kept as it was."""
+    server = server_factory(persist_mode="sync")
+    with connect(server.addr) as fila:
+        fila.create_queue("q")
+        first = [fila.enqueue("q", b"first-%d" % i) for i in range(5)]
+        with fila.consume("q", prefetch=1) as stream:
+            acked = stream.get(PROMPT_S).id
+        fila.ack("q", acked)
+        later = [fila.enqueue("q", b"later-%d" % i) for i in range(50)]
+    server.kill()
+    (wal,) = glob.glob(str(server.data_dir / "db" / "*.log"))
+    data = Path(wal).read_bytes()
+    delete = bytes([0x00, 1 + 16]) + _message_key(acked)  # the ack's delete, tag and length
+    _flip(wal, data.index(delete) + 6, count=1)
+    damaged = Path(wal).read_bytes()
+    _one_line_refusal(*_run_server(server))
+
+    code, output = _run_repair(server)
+    assert code == 0, output
+    (line,) = [row for row in output.splitlines() if "write-ahead log" in row]
+    assert f"{os.path.basename(wal)} at offset" in line and "delivered again" in line
+    (kept,) = server.data_dir.glob("db.damaged-*")
+    assert (kept / os.path.basename(wal)).read_bytes() == damaged
+
+    storage = RocksStorage(server.data_dir)
+    try:
+        present = [storage.get(_message_key(i)) is not None for i in first + later]
+    finally:
+        storage.close()
+    assert all(present), f"{present.count(False)} answered enqueues lost"
+    server.start()
+    with connect(server.addr) as fila:
+        stats = fila.stats("q")
+    assert stats.depth + stats.in_flight == 55  # the acked one is back: its ack was unreadable
+
+
+def test_repair_refuses_a_data_directory_a_running_broker_holds(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory()
+    code, output = _run_repair(server)
+    assert code == 1, output
+    assert "in use by another fila-server" in output
+    assert not list(server.data_dir.glob("db.*"))  # nothing kept aside, nothing changed
+    with connect(server.addr) as fila:
+        fila.create_queue("still-serving")

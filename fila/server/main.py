@@ -45,7 +45,7 @@ from fila.server import admin, service
 from fila.server.auth import auth_interceptors, load_keyring
 from fila.server.limits import connection_cap, raise_open_files_limit
 from fila.server.memory import HeapTrimmer
-from fila.storage.backend import CorruptionError, RocksStorage, StorageError
+from fila.storage.backend import CorruptionError, DataDirInUse, RocksStorage, StorageError
 from fila.storage.committer import Committer
 from fila.storage.layout import upgrade_layout
 from fila.storage.salvage import salvage
@@ -408,19 +408,34 @@ def _repair(data_dir: Path) -> int:
         return _fail(f"{data_dir} holds no database to repair", ExitCode.STARTUP_FAILED)
     try:
         report = salvage(data_dir)
+    except DataDirInUse as exc:
+        return _fail(str(exc), ExitCode.STARTUP_FAILED)
     except Exception as exc:  # rocksdict raises plain Exception; report it as it is
         return _fail(f"repair of {data_dir} failed: {exc}", ExitCode.DATA_DAMAGED)
     kinds = ", ".join(f"{count} {kind}" for kind, count in sorted(report.by_kind.items()))
+    skipped_bytes = sum(piece.bytes for piece in report.skipped_wal)
     print(
         f"fila-server: repaired {data_dir}: kept {report.copied} records ({kinds or 'none'}); "
         f"{len(report.damaged_regions)} damaged region(s) skipped"
+        + (f", {skipped_bytes} unreadable WAL bytes skipped" if report.skipped_wal else "")
+        + (f", {report.replayed_batches} WAL batches replayed" if report.replayed_batches else "")
         + (", database rebuilt by RocksDB first" if report.rebuilt_by_rocksdb else "")
-        + f"; the damaged copy is kept at {report.kept_at}. Start the broker normally; "
+        + f"; the damaged original is kept at {report.kept_at}. Start the broker normally; "
         "messages of a queue whose record was lost come back when that queue is "
         "created again and the broker restarted."
     )
     for start, end in report.damaged_regions:
         print(f"fila-server: skipped unreadable keys after {start or '(start)'} up to {end}")
+    for piece in report.skipped_wal:
+        consequence = (
+            "the writes in them are lost, and a message whose ack was among them is delivered again"
+            if piece.lost
+            else "every write in them was already in the tables: nothing is lost"
+        )
+        print(
+            f"fila-server: skipped {piece.bytes} unreadable bytes of the write-ahead log "
+            f"{piece.file} at offset {piece.offset} ({piece.reason}): {consequence}"
+        )
     return ExitCode.OK
 
 

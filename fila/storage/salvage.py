@@ -6,50 +6,83 @@ block. So the salvage here copies the live data, key by key, into a fresh
 database, and when the iterator stops at a damaged block it probes forward (an
 exponential then binary search over the key space) for the first key it can read
 again, losing only the damaged block's keys. Because it copies the *merged* view,
-a lost delete can never resurrect an acknowledged message. When the database does
-not even open (a damaged WAL or MANIFEST), RocksDB's repair runs first to rebuild
-it from its files, then the salvage copies what that leaves.
+a lost delete in a table can never resurrect an acknowledged message. When even
+the tables do not open (a damaged MANIFEST), RocksDB's repair runs first to
+rebuild the database from its files, then the salvage copies what that leaves.
 
-The damaged database is kept beside the new one (`db.damaged-<time>`) for the
-operator; nothing is deleted.
+A WAL record that fails its checksum before the log's tail (not a torn last
+write, which the broker drops at startup) makes the database refuse to open.
+The salvage then opens the tables alone and replays the WAL itself, record by
+record (`fila.storage.wal`), skipping only the damaged bytes: RocksDB's recovery
+would drop the rest of their 32 KiB block, its repair the rest of the log
+file. Batches already in the tables are not replayed, so damage there costs
+nothing. A damaged batch beyond them cannot be read, so it cannot be known: its
+writes are lost, and an ack among them brings its message back (delivered
+again: at least once, never lost). The report lists every skipped piece.
+
+Opening a damaged database changes its directory (RocksDB writes a new MANIFEST;
+its repair moves files to `lost/`), so the original files are kept first, as
+second hard links, in `db.damaged-<time>`; nothing the operator had is deleted.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import os
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import cast
 
-from rocksdict import Rdict, RdictIter
+from rocksdict import Rdict, RdictIter, WriteBatch
 
-from fila.storage import keys
-from fila.storage.backend import rocks_options
+from fila.storage import keys, wal
+from fila.storage.backend import DataDirInUse, rocks_options
 
 # Wider than any key the broker writes (queue names 259, config keys 1024 bytes).
 _KEY_WIDTH = 1100
 _KEY_SPACE = 1 << (8 * _KEY_WIDTH)
 
 
+@dataclass(frozen=True, slots=True)
+class SkippedWal:
+    """A piece of the write-ahead log that did not read back and was left out;
+    `lost` is False when every write in it was already in the tables."""
+
+    file: str
+    offset: int
+    bytes: int
+    reason: str
+    lost: bool
+
+
 @dataclass(slots=True)
 class SalvageReport:
     copied: int = 0
     damaged_regions: list[tuple[str, str]] = field(default_factory=list)
+    skipped_wal: list[SkippedWal] = field(default_factory=list)
+    replayed_batches: int = 0
     rebuilt_by_rocksdb: bool = False
     kept_at: Path | None = None
     by_kind: dict[str, int] = field(default_factory=dict)
 
 
 def salvage(data_dir: Path) -> SalvageReport:
+    """Copies what is readable of `data_dir`'s database into a fresh one, in its place.
+
+    Raises `DataDirInUse` if a broker holds the database, before anything changes."""
     report = SalvageReport()
     db_dir = data_dir / "db"
-    try:
-        source = Rdict(str(db_dir), options=rocks_options())
-    except Exception:  # rocksdict raises plain Exception; the WAL or MANIFEST is damaged
-        Rdict.repair(str(db_dir), rocks_options())
-        report.rebuilt_by_rocksdb = True
-        source = Rdict(str(db_dir), options=rocks_options())
+    _check_not_in_use(db_dir)
+    kept = data_dir / f"db.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+    _keep_originals(db_dir, kept)
+    tables_dir = data_dir / "db.replaying"
     target_dir = data_dir / "db.salvaged"
+    for leftover in (tables_dir, target_dir):  # a repair interrupted before its end
+        shutil.rmtree(leftover, ignore_errors=True)
+    source = _open_damaged(db_dir, tables_dir, report)
     target = Rdict(str(target_dir), options=rocks_options())
     try:
         _copy_readable(source, target, report)
@@ -57,11 +90,110 @@ def salvage(data_dir: Path) -> SalvageReport:
     finally:
         target.close()
         source.close()
-    kept = data_dir / f"db.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
-    db_dir.rename(kept)
+    # What is left in these is second names of the kept originals and the files this
+    # salvage's opens wrote; the originals stay in `kept`.
+    shutil.rmtree(tables_dir, ignore_errors=True)
+    shutil.rmtree(db_dir)
     target_dir.rename(db_dir)
     report.kept_at = kept
     return report
+
+
+def _check_not_in_use(db_dir: Path) -> None:
+    """RocksDB's own lock, probed the way it takes it (a POSIX record lock on LOCK)."""
+    try:
+        fd = os.open(db_dir / "LOCK", os.O_RDWR)
+    except FileNotFoundError:
+        return
+    try:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EAGAIN):
+            raise DataDirInUse(
+                f"data directory {db_dir.parent} is in use by another fila-server "
+                "(its LOCK file is held); stop that broker before repairing"
+            ) from None
+        raise
+    finally:
+        os.close(fd)  # releases the probe's lock
+
+
+def _keep_originals(db_dir: Path, kept: Path) -> None:
+    """Every file of the database as it is now, under `kept` (hard links; copies where
+    the filesystem has none)."""
+    kept.mkdir()
+    for source in db_dir.rglob("*"):
+        destination = kept / source.relative_to(db_dir)
+        if source.is_dir():
+            destination.mkdir(exist_ok=True)
+            continue
+        _link_or_copy(source, destination)
+
+
+def _open_damaged(db_dir: Path, tables_dir: Path, report: SalvageReport) -> Rdict:
+    """Opens as much of the database as can be read: as it is; else its tables, with
+    the WAL replayed around damaged records; else after RocksDB's repair (a damaged
+    MANIFEST or table that the open itself reads)."""
+    try:
+        return Rdict(str(db_dir), options=rocks_options())
+    except Exception:  # rocksdict raises plain Exception; damaged, so try harder
+        pass
+    tables_dir.mkdir()
+    for source in db_dir.iterdir():
+        if source.is_file() and not source.name.endswith(".log"):
+            _link_or_copy(source, tables_dir / source.name)
+    try:
+        tables = Rdict(str(tables_dir), options=rocks_options())
+    except Exception:
+        Rdict.repair(str(db_dir), rocks_options())
+        report.rebuilt_by_rocksdb = True
+        return Rdict(str(db_dir), options=rocks_options())
+    try:
+        _replay_wal(db_dir, tables, report)
+    except BaseException:
+        tables.close()
+        raise
+    return tables
+
+
+def _replay_wal(db_dir: Path, tables: Rdict, report: SalvageReport) -> None:
+    """Applies every whole WAL batch the tables do not hold yet, in log order.
+
+    Sequence numbers grow from batch to batch, so a damaged span's writes came
+    before the next whole batch's: if that batch's are in the tables, so are they."""
+    in_tables: int = tables.latest_sequence_number()
+    pending: list[tuple[str, wal.Skipped]] = []  # damage before the next whole batch
+    logs = [path for path in db_dir.glob("*.log") if path.stem.isdigit()]
+    for log_file in sorted(logs, key=lambda path: int(path.stem)):
+        for item in wal.read_log(log_file.read_bytes()):
+            if isinstance(item, wal.Skipped):
+                pending.append((log_file.name, item))
+                continue
+            lost = item.sequence > in_tables + 1
+            report.skipped_wal += [_skipped(name, damage, lost) for name, damage in pending]
+            pending = []
+            if item.last_sequence <= in_tables:
+                continue
+            batch = WriteBatch(raw_mode=True)
+            for key, value in item.operations:
+                if value is None:
+                    batch.delete(key)
+                else:
+                    batch.put(key, value)
+            tables.write(batch)
+            report.replayed_batches += 1
+    report.skipped_wal += [_skipped(name, damage, True) for name, damage in pending]
+
+
+def _skipped(log_name: str, damage: wal.Skipped, lost: bool) -> SkippedWal:
+    return SkippedWal(log_name, damage.offset, damage.bytes, damage.reason, lost)
+
+
+def _link_or_copy(source: Path, destination: Path) -> None:
+    try:
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
 def _copy_readable(source: Rdict, target: Rdict, report: SalvageReport) -> None:
