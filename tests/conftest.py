@@ -6,6 +6,7 @@ passes here is what a deployed broker does.
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -13,6 +14,13 @@ import pytest
 from support import ServerFactory
 
 from fila.server.process import ServerProcess
+
+# The CLI tests press Ctrl-C (SIGINT) as a terminal does. A suite started in the
+# background by a non-interactive shell (`./scripts/test.sh &`) inherits SIGINT
+# ignored, and an ignored signal stays ignored across exec: those children would never
+# see it and the tests would hang. A handler, unlike SIG_IGN, is reset by exec.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture
