@@ -24,6 +24,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from queue import Queue
+from typing import Any
 
 import grpc
 import grpc.aio
@@ -34,6 +36,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import ServerFactory
 
 from fila.cli import cli
+from fila.core.clock import ManualClock
 from fila.core.errors import InvalidArgument
 from fila.security.acl import Kind, Pattern, Permission, may_delegate
 from fila.security.apikeys import fingerprint
@@ -44,9 +47,12 @@ from fila.security.failures import (
     MAX_PEERS,
     FailureGuard,
 )
+from fila.security.keyring import Keyring, Refusal
+from fila.security.keystore import LocalKeyStore
 from fila.server.access import RULES, Scope
 from fila.server.process import ServerProcess
-from fila.storage.backend import RocksStorage
+from fila.storage.backend import MemoryStorage, RocksStorage
+from fila.storage.committer import Committer
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 from fila_sdk import (
     AclPermission,
@@ -577,12 +583,18 @@ def test_delegation_rule(admin: Client, secured: ServerProcess) -> None:
             with pytest.raises(PermissionDeniedError, match="not inside its admin patterns"):
                 ta.set_acl(fresh.key_id, [f"produce:{tenant}.x", outside])
         assert [str(p) for p in admin.get_acl(fresh.key_id).permissions] == grant
-        # A key holding a grant outside the tenant's domain is not the tenant's to read or change.
-        with pytest.raises(PermissionDeniedError, match='"produce:globex" is outside'):
-            ta.get_acl(foreign.key_id)
-        with pytest.raises(PermissionDeniedError):
+        # Keys it does not manage (one holding a grant outside its domain, a superadmin,
+        # an id that does not exist) get one refusal, which reveals nothing about them.
+        refusals = set()
+        for key_id in (foreign.key_id, boss.key_id, "0123456789abcdef"):
+            with pytest.raises(PermissionDeniedError) as refused:
+                ta.get_acl(key_id)
+            refusals.add(str(refused.value).replace(key_id, "<id>"))
+        assert len(refusals) == 1, refusals
+        assert "globex" not in refusals.pop()
+        with pytest.raises(PermissionDeniedError, match="not a key within its admin patterns"):
             ta.set_acl(foreign.key_id, [f"produce:{tenant}.orders"])
-        with pytest.raises(PermissionDeniedError, match="superadmin"):
+        with pytest.raises(PermissionDeniedError, match="not a key within its admin patterns"):
             ta.set_acl(boss.key_id, [f"produce:{tenant}.orders"])
         # Its own ACL is readable, but it cannot widen itself beyond its admin patterns.
         assert ta.get_acl(tenant_admin.key_id).permissions[0] == AclPermission(
@@ -1101,3 +1113,94 @@ def test_redrive_needs_admin_on_the_queue_it_writes_into(
     both = new_key(admin, f"admin:{queue}")
     with as_key(secured, both) as client:
         assert client.redrive(f"{queue}.dlq") == 1
+
+
+def test_a_key_lost_before_anyone_listened_reports_it_to_the_first_listener() -> None:
+    """A stream that subscribes to its key's loss after the revocation (or the expiry)
+    hears of it at once, not never."""
+
+    async def scenario() -> None:
+        committer = Committer(MemoryStorage(), "buffer", lambda exc: None)
+        clock = ManualClock()
+        keyring = Keyring(LocalKeyStore(MemoryStorage(), committer), clock, BOOT)
+        revoked_record, revoked_key, _ = keyring.create(None, "gone", 0, False)
+        _, expiring_key, _ = keyring.create(None, "short", clock.now_ms() + 10, False)
+        revoked, expiring = keyring.authenticate(revoked_key), keyring.authenticate(expiring_key)
+        assert not isinstance(revoked, Refusal) and not isinstance(expiring, Refusal)
+        keyring.revoke(None, revoked_record.key_id)
+        clock.advance(11)
+        for caller in (revoked, expiring):
+            lost = caller.key_lost()
+            assert lost.done() and "revoked or expired" in str(lost.result())
+        committer.close()
+
+    asyncio.run(scenario())
+
+
+# --- Calls opened before a revocation ----------------------------------------------------
+
+
+class _HeldCall:
+    """A call whose headers (with the key) go out now and whose request goes out later:
+    a unary method opened as a stream, as any HTTP/2 client can."""
+
+    def __init__(self, channel: grpc.Channel, method: str, response: Any, key: str) -> None:
+        self._requests: Queue[Any] = Queue()
+        stream = channel.stream_stream(
+            method,
+            request_serializer=lambda message: message.SerializeToString(),
+            response_deserializer=response.FromString,
+        )
+        self._responses = stream(
+            iter(self._requests.get, None),
+            metadata=(("authorization", f"Bearer {key}"),),
+            timeout=30,
+        )
+
+    def send(self, request: Any) -> Any:
+        self._requests.put(request)
+        self._requests.put(None)
+        return next(iter(self._responses))
+
+
+def _headers_seen(secured: ServerProcess, key: str) -> None:
+    """A later call on the same connection has been answered: the held call's headers,
+    sent before it, have been through the broker's authentication."""
+    with as_key(secured, key) as client:
+        client.list_queues()
+
+
+def test_a_request_that_arrives_after_its_key_was_revoked_is_refused(
+    admin: Client, secured: ServerProcess
+) -> None:
+    ops = new_key(admin, superadmin=True)
+    with grpc.insecure_channel(secured.addr) as channel:
+        held = _HeldCall(
+            channel, "/fila.v1.FilaAdmin/CreateApiKey", admin_pb2.CreateApiKeyResponse, ops.key
+        )
+        _headers_seen(secured, ops.key)
+        admin.revoke_api_key(ops.key_id)
+        with pytest.raises(grpc.RpcError) as refused:
+            held.send(admin_pb2.CreateApiKeyRequest(name=unique("backdoor"), is_superadmin=True))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert len(admin.list_api_keys()) == len({k.key_id for k in admin.list_api_keys()})
+    assert not [k for k in admin.list_api_keys() if k.name.startswith("backdoor")]
+
+
+def test_a_consume_stream_that_starts_after_its_key_was_revoked_is_refused(
+    admin: Client, secured: ServerProcess
+) -> None:
+    name = unique("held")
+    admin.create_queue(name)
+    consumer = new_key(admin, f"consume:{name}")
+    with grpc.insecure_channel(secured.addr) as channel:
+        held = _HeldCall(
+            channel, "/fila.v1.FilaService/StreamConsume", service_pb2.ConsumeResponse, consumer.key
+        )
+        _headers_seen(secured, consumer.key)
+        admin.revoke_api_key(consumer.key_id)
+        admin.enqueue(name, None, b"after the revocation")
+        with pytest.raises(grpc.RpcError) as refused:
+            held.send(service_pb2.StreamConsumeRequest(queue=name))
+    assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    assert admin.get_stats(name).in_flight == 0

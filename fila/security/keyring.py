@@ -229,9 +229,8 @@ class Keyring:
             raise PermissionDenied(
                 f"{caller.describe()} may not set ACLs: it holds no admin permission to delegate"
             )
-        state = self._existing(key_id)
         if caller is not None and not caller.is_superadmin:
-            self._require_manages(caller, state, "set the ACL of")
+            state = self._managed(caller, key_id, "set the ACL of")
             domain = caller.admin_patterns()
             for permission in permissions:
                 if not may_delegate(domain, permission):
@@ -239,6 +238,8 @@ class Keyring:
                         f'{caller.describe()} may not grant "{permission}": it is not inside '
                         f"its admin patterns ({_patterns(domain)})"
                     )
+        else:
+            state = self._existing(key_id)
         state.permissions = permissions
         log.info(
             "acl set",
@@ -254,9 +255,10 @@ class Keyring:
         self, caller: Caller | None, key_id: str
     ) -> tuple[ApiKeyRecord, tuple[Permission, ...]]:
         _require_key_id(key_id)
-        state = self._existing(key_id)
         if caller is not None and not caller.is_superadmin and caller.key_id != key_id:
-            self._require_manages(caller, state, "read the ACL of")
+            state = self._managed(caller, key_id, "read the ACL of")
+        else:
+            state = self._existing(key_id)
         return state.record, state.permissions
 
     # Changes made through other nodes (cluster mode: `fila.cluster.shared` mirrors the
@@ -294,19 +296,26 @@ class Keyring:
             raise ApiKeyNotFound(key_id)
         return state
 
-    @staticmethod
-    def _require_manages(caller: Caller, target: _KeyState, what: str) -> None:
+    def _managed(self, caller: Caller, key_id: str, what: str) -> _KeyState:
+        """The key `caller` (an admin, not a superadmin) manages, by id.
+
+        One refusal for every key it does not manage (unknown, revoked, a superadmin, or
+        holding grants outside its patterns), naming nothing beyond its own patterns: a
+        tenant's admin learns neither other tenants' grants nor which key ids are live."""
         domain = caller.admin_patterns()
-        refusal = f'{caller.describe()} may not {what} API key "{target.record.key_id}"'
+        refusal = f'{caller.describe()} may not {what} API key "{key_id}"'
         if not domain:
             raise PermissionDenied(f"{refusal}: it holds no admin permission")
-        if target.record.is_superadmin:
-            raise PermissionDenied(f"{refusal}: that key is a superadmin")
-        outside = [p for p in target.permissions if not may_delegate(domain, p)]
-        if outside:
+        state = self._by_id.get(key_id)
+        if (
+            state is None
+            or state.record.is_superadmin
+            or not all(may_delegate(domain, p) for p in state.permissions)
+        ):
             raise PermissionDenied(
-                f'{refusal}: "{outside[0]}" is outside its admin patterns ({_patterns(domain)})'
+                f"{refusal}: not a key within its admin patterns ({_patterns(domain)})"
             )
+        return state
 
     def _valid(self, state: _KeyState) -> bool:
         record = state.record
@@ -317,7 +326,10 @@ class Keyring:
         if state.lost is None:
             loop = asyncio.get_running_loop()
             state.lost = loop.create_future()
-            if state.record.expires_at_ms:
+            if not self._valid(state):  # lost before anything listened: a stream that
+                # opened while the key was valid and starts after, say
+                state.lost.set_result(Unauthenticated("API key revoked or expired"))
+            elif state.record.expires_at_ms:
                 delay_s = max(0.0, (state.record.expires_at_ms - self._clock.now_ms()) / 1000)
                 state.timer = loop.call_later(
                     delay_s, self._end, state, Unauthenticated("API key expired")

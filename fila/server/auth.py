@@ -152,6 +152,10 @@ def _authorized(handler: Handler, caller: Caller, rule: Rule) -> Handler:
     reads_request = not handler.request_streaming
 
     async def admit(request: Any, context: Context) -> None:
+        # Checked again here, when the request has arrived: a call opened while the key
+        # was valid may send its request after a revocation or the expiry.
+        if not caller.valid():
+            await abort(context, Unauthenticated("API key revoked or expired"))
         access.bind(caller)
         refusal = rule.check(caller, request if reads_request else None)
         if refusal is not None:

@@ -151,6 +151,7 @@ class FilaService:
         except StopAsyncIteration:
             return  # the client closed before naming a queue
         first = await rpc.checked(opening, "StreamConsume", context)
+        access.require_key()  # the stream may have opened before a revocation
         access.require(Kind.CONSUME, first.queue)
         consumer = broker.delivery.attach_consumer(
             first.queue,
@@ -162,6 +163,7 @@ class FilaService:
 
         def settle(request: service_pb2.StreamConsumeRequest) -> None:
             if request.ack_ids or request.nacks:
+                access.require_key()
                 broker.settle_on_stream(
                     consumer.id,
                     queue_name,
