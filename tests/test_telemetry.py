@@ -9,6 +9,7 @@ quiet moment. The OTLP tests run a receiver in the test process (`support.otlp`)
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import re
@@ -33,7 +34,12 @@ from fila.core.clock import ManualClock
 from fila.core.throttle import MAX_COUNTED_KEYS, OTHER_KEYS, Throttles
 from fila.server.process import ServerProcess, free_port
 from fila.telemetry.histogram import FixedHistogram
-from fila.telemetry.logs import JsonFormatter, LogfmtFormatter, QuietLibraries
+from fila.telemetry.logs import (
+    JsonFormatter,
+    LogfmtFormatter,
+    QuietLibraries,
+    configure_logging,
+)
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 from fila_sdk import Client
 
@@ -680,6 +686,29 @@ def test_library_log_lines_are_rate_limited_per_template() -> None:
     now[0] = 61.0
     passed = noisy("retrying")
     assert quiet.filter(passed) and getattr(passed, "suppressed", 0) == 50
+
+
+def test_grpc_reports_of_undecodable_metadata_never_log_the_value() -> None:
+    """grpcio logs a metadata value that is not UTF-8 in full, once per call: with one
+    stray byte in `authorization`, an API key. One redacted line per minute instead."""
+    out = io.StringIO()
+    root = logging.getLogger()
+    saved_handlers, saved_level = list(root.handlers), root.level
+    configure_logging("info", "logfmt", out)
+    try:
+        grpc_log = logging.getLogger("grpc._cython.cygrpc")
+        for _ in range(100):
+            try:
+                b"Bearer the-secret-key\xe9".decode()
+            except UnicodeDecodeError:
+                grpc_log.exception("Invalid encoding on %s", b"Bearer the-secret-key\xe9")
+    finally:
+        root.handlers[:] = saved_handlers
+        root.setLevel(saved_level)
+    text = out.getvalue()
+    assert "the-secret-key" not in text and "Traceback" not in text
+    (line,) = text.splitlines()
+    assert "not valid UTF-8 (value not logged)" in line
 
 
 @pytest.mark.parametrize(

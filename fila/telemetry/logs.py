@@ -38,7 +38,11 @@ _STANDARD = frozenset(vars(logging.LogRecord("", 0, "", 0, "", None, None))) | {
 # What every line starts with; a field of the same name is dropped rather than repeated.
 _BASE_KEYS = frozenset(("ts", "level", "logger", "msg", "exc"))
 # Loggers whose warnings are rate-limited (see the module docstring).
-_NOISY_PREFIXES = ("opentelemetry",)
+_NOISY_PREFIXES = ("opentelemetry", "grpc._cython")
+# grpcio logs a metadata value that is not UTF-8 in full, with a traceback, once per
+# call: an `authorization: Bearer <key>` with one stray byte would put the key in the
+# log, and any peer could repeat it at will.
+_UNDECODABLE_METADATA = "Invalid encoding on"
 _QUIET_INTERVAL_S = 60.0
 
 
@@ -115,6 +119,20 @@ def _logfmt_value(value: object) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+class RedactMetadata(logging.Filter):
+    """Replaces grpcio's report of undecodable call metadata (which quotes the value,
+    an API key included) with a line that names no value and carries no traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.name.startswith("grpc.") and str(record.msg).startswith(_UNDECODABLE_METADATA):
+            record.msg = "refused a call whose metadata is not valid UTF-8 (value not logged)"
+            record.args = None
+            record.exc_info = None
+            record.exc_text = None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
 class QuietLibraries(logging.Filter):
     """Lets one record per (logger, template) through per interval from noisy libraries."""
 
@@ -154,6 +172,7 @@ def configure_logging(level: str, log_format: LogFormat, stream: TextIO | None =
     line each, in `log_format`, at `level` and above."""
     handler = logging.StreamHandler(stream or sys.stderr)
     handler.setFormatter(FORMATTERS[log_format]())
+    handler.addFilter(RedactMetadata())  # first: the quiet filter then counts one template
     handler.addFilter(QuietLibraries())
     root = logging.getLogger()
     for old in list(root.handlers):
