@@ -89,6 +89,12 @@ class AtMost:
     maximum: int
 
 
+class Secret:
+    """Constraint marker: a string field holding a secret. Its value is never echoed in
+    an error, and it may not start or end with whitespace: a presented key is compared
+    without it, so such a secret could never match (a stray newline from a file, say)."""
+
+
 MiB = 1024 * 1024
 # Room in a request for everything but payload and headers (queue name, framing).
 REQUEST_OVERHEAD_BYTES = 64 * 1024
@@ -158,7 +164,7 @@ class TlsSection:
 
 @dataclass(frozen=True, slots=True)
 class AuthSection:
-    bootstrap_apikey: str = ""
+    bootstrap_apikey: Annotated[str, Secret()] = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,7 +394,15 @@ def _check(base: Any, markers: tuple[object, ...], key: str, value: Any, source:
             raise ConfigError(f'{source}: "{key}" must be an array of strings, got {_toml(value)}')
         return
     accepted: tuple[type, ...] = (int, float) if base is float else (base,)
+    secret = any(isinstance(marker, Secret) for marker in markers)
+    if secret and type(value) is str and value != value.strip():
+        raise ConfigError(
+            f'{source}: "{key}" starts or ends with whitespace; a presented key is compared '
+            "without it, so this one could never match (the value is not shown)"
+        )
     if type(value) not in accepted:
+        if secret:
+            raise ConfigError(f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}')
         raise ConfigError(f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}, got {_toml(value)}')
     for marker in markers:
         if isinstance(marker, Address) and value and (problem := marker.problem(value)):

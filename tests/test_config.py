@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from pathlib import Path
 
@@ -237,6 +238,20 @@ def test_env_overrides_the_file(no_system_config: Path) -> None:
     assert config.server == ServerSection(listen_addr="0.0.0.0:7000", max_headers=7)
     assert config.storage == StorageSection(data_dir="/srv/fila", persist_mode="buffer")
     assert config.auth.bootstrap_apikey == "secret"
+
+
+@pytest.mark.parametrize("key", ["secret ", "\tsecret", "secret\n"])
+def test_a_bootstrap_key_with_surrounding_whitespace_is_refused_without_showing_it(
+    no_system_config: Path, key: str
+) -> None:
+    """A presented key is compared stripped: this one could never authenticate."""
+    with pytest.raises(ConfigError, match="whitespace") as from_env:
+        load_config(None, {"FILA_BOOTSTRAP_APIKEY": key})
+    Path("fila.toml").write_text(f"[auth]\nbootstrap_apikey = {json.dumps(key)}\n")
+    with pytest.raises(ConfigError, match="whitespace") as from_file:
+        load_config(None, {})
+    for refused in (from_env, from_file):
+        assert "secret" not in str(refused.value)
 
 
 def test_empty_env_values_are_ignored(no_system_config: Path) -> None:
