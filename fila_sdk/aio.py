@@ -49,6 +49,7 @@ from .batching import (
     EnqueueLike,
     NackItem,
     ack_batch_request,
+    bounded_error,
     chunks,
     enqueue_batch_request,
     enqueue_results,
@@ -352,9 +353,7 @@ class AsyncClient:
         """Waits until the broker can be reached again; False if the client closed."""
         if self._closed:
             return False
-        if self._closing is None:
-            self._closing = asyncio.Event()
-        closing = asyncio.ensure_future(self._closing.wait())
+        closing = asyncio.ensure_future(self._closing_event().wait())
         waiting = asyncio.ensure_future(reconnector.wait_async(error, self._probe))
         try:
             await asyncio.wait((closing, waiting), return_when=asyncio.FIRST_COMPLETED)
@@ -366,6 +365,12 @@ class AsyncClient:
             return False
         waiting.result()  # raises BrokerUnreachableError when it gave up
         return True
+
+    def _closing_event(self) -> asyncio.Event:
+        """Set by `close`: what waits for the broker waits for this too."""
+        if self._closing is None:
+            self._closing = asyncio.Event()
+        return self._closing
 
     async def ack(self, queue: str, message_id: str) -> None:
         """Ack one message. Acks made in the same turn of the event loop (by many
@@ -382,7 +387,7 @@ class AsyncClient:
         if nacks is None:
             self._check_open()
             nacks = self._nacks = Coalescer(self._send_nacks)
-        await self._bounded(nacks.submit((queue, message_id, error)))
+        await self._bounded(nacks.submit((queue, message_id, bounded_error(error))))
 
     async def ack_many(self, queue: str, message_ids: Iterable[str]) -> list[FilaError | None]:
         """Ack many messages in few `AckBatch` calls; per item None (acked) or its error."""

@@ -45,6 +45,10 @@ PIPELINE_DEPTH: Final = 4
 # Per-message bytes a request spends beyond payload and headers (field tags,
 # lengths, queue name allowance); only used to stay under the byte budget.
 MESSAGE_OVERHEAD_BYTES: Final = 64
+# Most UTF-8 bytes of error text a nack carries: a batch of 10,000 nacks then stays
+# well under the broker's 16 MiB request limit.
+MAX_ERROR_BYTES: Final = 1024
+TRUNCATED_MARK: Final = " ...[truncated]"
 
 
 # What one item of `enqueue_many` becomes: headers, payload, delay in ms.
@@ -63,10 +67,14 @@ NackItem = str | tuple[str, str]
 def entries(items: Iterable[EnqueueLike]) -> list[Entry]:
     """`enqueue_many`'s items as (headers, payload, delay_ms). An item is an
     `EnqueueItem`, bare payload bytes, or a (headers, payload[, delay]) tuple: the
-    arguments `enqueue` takes."""
+    arguments `enqueue` takes.
+
+    Every item is checked here, before anything is sent: an item the request could
+    not carry, found after earlier chunks were stored, would raise with those
+    messages stored and their ids lost (and a retry would store them twice)."""
     out: list[Entry] = []
     append = out.append
-    for item in items:
+    for index, item in enumerate(items):
         if isinstance(item, bytes):
             append((None, item, 0))
             continue
@@ -78,10 +86,39 @@ def entries(items: Iterable[EnqueueLike]) -> list[Entry]:
         else:
             raise TypeError(
                 "enqueue_many takes EnqueueItem, bytes or (headers, payload[, delay]) items, "
-                f"not {type(item).__name__}"
+                f"not {type(item).__name__} (item {index})"
+            )
+        if not isinstance(payload, bytes):
+            raise TypeError(
+                f"enqueue_many: the payload of item {index} is {type(payload).__name__}, not bytes"
+            )
+        if headers is not None and not _str_mapping(headers):
+            raise TypeError(
+                f"enqueue_many: the headers of item {index} are not a str -> str mapping"
             )
         append((headers, payload, 0 if delay is None else milliseconds(delay, "delay")))
     return out
+
+
+def _str_mapping(headers: object) -> bool:
+    return isinstance(headers, Mapping) and all(
+        isinstance(key, str) and isinstance(value, str) for key, value in headers.items()
+    )
+
+
+def bounded_error(text: str) -> str:
+    """A nack's error text, cut to `MAX_ERROR_BYTES` and marked if it was longer.
+
+    The text is often an exception's message, which can hold a whole response body;
+    a request over the broker's size limit fails as a whole, with every settlement
+    it carries (and ends a `Worker`). Every nack the SDK sends passes here."""
+    if len(text) <= MAX_ERROR_BYTES // 4:  # a character is at most 4 bytes
+        return text
+    data = text.encode("utf-8", "surrogatepass")
+    if len(data) <= MAX_ERROR_BYTES:
+        return text
+    keep = data[: MAX_ERROR_BYTES - len(TRUNCATED_MARK)].decode("utf-8", "ignore")
+    return keep + TRUNCATED_MARK
 
 
 def entry_bytes(entry: Entry) -> int:
@@ -126,12 +163,13 @@ def nack_batch_request(
 ) -> service_pb2.NackBatchRequest:
     request = service_pb2.NackBatchRequest()
     add = request.nacks.add
+    default_error = bounded_error(default_error)
     for index in span:
         item = items[index]
         if isinstance(item, str):
             add(queue=queue, message_id=item, error=default_error)
         else:
-            add(queue=queue, message_id=item[0], error=item[1])
+            add(queue=queue, message_id=item[0], error=bounded_error(item[1]))
     return request
 
 

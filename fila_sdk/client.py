@@ -45,6 +45,7 @@ from .batching import (
     EnqueueLike,
     NackItem,
     ack_batch_request,
+    bounded_error,
     chunks,
     enqueue_batch_request,
     enqueue_results,
@@ -341,7 +342,9 @@ class Client:
         )
 
     def nack(self, queue: str, message_id: str, error: str = "") -> None:
-        request = service_pb2.NackRequest(queue=queue, message_id=message_id, error=error)
+        request = service_pb2.NackRequest(
+            queue=queue, message_id=message_id, error=bounded_error(error)
+        )
         self._unary(self._next_service().Nack, request)
 
     def ack_many(self, queue: str, message_ids: Iterable[str]) -> list[FilaError | None]:

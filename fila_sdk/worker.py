@@ -15,7 +15,14 @@ How it works, and why:
 - One `StreamConsume` stream carries deliveries in and settlements out. A handler
   that returns acks its message, one that raises nacks it with the exception's
   text; settlements made in one turn of the loop travel in one request with no
-  reply (the broker makes them durable with its next group commit).
+  reply (the broker makes them durable with its next group commit). A handler's
+  own CancelledError is a failure too; the nack's text is cut to a bounded size.
+- What is not one message's failure ends the worker (after a graceful stop) with
+  an exception for its caller, leaving the message to the broker: a handler that
+  raises SystemExit or KeyboardInterrupt (re-raised by `run()` / `join()`, so
+  `sys.exit` in a handler still exits the program), or one of the wrong kind (an
+  async handler on a `Client`, refused when the worker is built if it can be told,
+  or a blocking one on an `AsyncClient`), whose message is never acked.
 - `concurrency` slots take messages from a local buffer the stream fills. A slot
   that finishes takes the next message at once, and its settlement gives the
   broker room to send another (`prefetch` bounds what the stream holds, running
@@ -48,6 +55,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import inspect
 import logging
 import signal
 import threading
@@ -65,6 +73,7 @@ from fila.v1 import service_pb2, service_pb2_grpc
 
 from ._channel import interrupted, map_rpc_error, milliseconds
 from .aio import AsyncClient
+from .batching import bounded_error
 from .client import Client
 from .errors import (
     ClientClosedError,
@@ -197,7 +206,7 @@ class _Session:
             request = service_pb2.StreamConsumeRequest(ack_ids=self._acks)
             add = request.nacks.add
             for message_id, error in self._nacks:
-                add(message_id=message_id, error=error)
+                add(message_id=message_id, error=bounded_error(error))
             self._acks, self._nacks = [], []
             await call.write(request)
 
@@ -238,6 +247,9 @@ class _Engine:
         self._timeout_s = options.visibility_timeout_s
         # For learning the visibility timeout: id -> (leased_at ms, monotonic receipt).
         self._lease_origin: dict[str, tuple[int, float]] = {}
+        # What a handler did that ends the worker (after a graceful stop) instead of
+        # nacking its message; see `_fail`. The caller raises it once `run` returns.
+        self.fatal: BaseException | None = None
 
     def stop(self) -> None:
         self._stopping.set()
@@ -314,16 +326,42 @@ class _Engine:
         yielded = loop.time()
         while (message := await self._take()) is not None:
             try:
-                await handle(message)
+                result = handle(message)
+                if not inspect.isawaitable(result):  # a sync handler on an AsyncWorker
+                    raise _Fatal(_wrong_kind(handle, result, blocking=False))
+                await result
+            except _Fatal as fatal:
+                self._fail(fatal.error)
+                return
+            except asyncio.CancelledError as exc:
+                task = asyncio.current_task()
+                if task is None or task.cancelling():
+                    raise  # this worker is being stopped or cancelled
+                # The handler's own (it awaited something cancelled): a failure.
+                self._settle(message.id, _error_text(exc))
             except Exception as exc:  # the handler failed: that is what a nack reports
-                self._settle(message.id, str(exc) or type(exc).__name__)
+                self._settle(message.id, _error_text(exc))
                 log.debug("handler raised for message %s", message.id, exc_info=True)
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt: the program's end
+                # Caught here, for a ThreadWorker's handlers too (their exceptions come
+                # back through the executor's future): raised from a task, they would
+                # end the event loop, which is the client's own for a ThreadWorker.
+                self._fail(exc)
+                return
             else:
                 self._settle(message.id, None)
             now = loop.time()
             if now - yielded >= _YIELD_EVERY_S:
                 await asyncio.sleep(0)
                 yielded = loop.time()
+
+    def _fail(self, error: BaseException) -> None:
+        """Ends the worker with `error` after a graceful stop, leaving the message
+        unsettled (the broker takes it back with the rest): acking would lose it, and
+        nacking every message for a misuse or a request to exit helps nobody."""
+        if self.fatal is None:
+            self.fatal = error
+        self.stop()
 
     async def _take(self) -> Message | None:
         ready = self._ready
@@ -471,16 +509,22 @@ class _Engine:
     async def _wait_for_broker(
         self, reconnector: Reconnector, error: FilaError, probe: AsyncProbe
     ) -> None:
-        stopping = self._loop.create_task(self._stopping.wait())
-        waiting = self._loop.create_task(reconnector.wait_async(error, probe))
+        spawn = self._loop.create_task
+        stopping = spawn(self._stopping.wait())
+        closing = spawn(self._client._closing_event().wait())
+        waiting = spawn(reconnector.wait_async(error, probe))
+        tasks = (stopping, closing, waiting)
         try:
-            await asyncio.wait((stopping, waiting), return_when=asyncio.FIRST_COMPLETED)
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         finally:
-            for task in (stopping, waiting):
+            for task in tasks:
                 task.cancel()
-            await asyncio.gather(stopping, waiting, return_exceptions=True)
-        if not self._stopping.is_set():
-            waiting.result()  # BrokerUnreachableError when it gave up
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if self._stopping.is_set():
+            return
+        if self._client.closed:  # not a stop: say so, as when the stream was open
+            raise ClientClosedError("the client was closed under a running worker")
+        waiting.result()  # BrokerUnreachableError when it gave up
 
     def _lose_stream(self) -> None:
         """The stream ended: buffered messages are the broker's again; running ones
@@ -652,6 +696,37 @@ def _raise_failure(tasks: list[asyncio.Task[None]]) -> None:
             task.result()
 
 
+class _Fatal(Exception):
+    """Carries what must end the worker rather than nack a message (see
+    `_Engine._fail`), out of a handler's thread as well."""
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _error_text(exc: BaseException) -> str:
+    return str(exc) or type(exc).__name__
+
+
+def _is_async(handler: object) -> bool:
+    """An `async def` function, or an object whose `__call__` is one."""
+    call = getattr(handler, "__call__", None)  # noqa: B004 (its kind, not callable())
+    return inspect.iscoroutinefunction(handler) or inspect.iscoroutinefunction(call)
+
+
+def _wrong_kind(handler: object, result: object, *, blocking: bool) -> TypeError:
+    if blocking:
+        return TypeError(
+            f"handler {handler!r} returned {type(result).__name__}: a ThreadWorker (on a "
+            "Client) needs a blocking handler; use AsyncClient for an async one"
+        )
+    return TypeError(
+        f"handler {handler!r} returned {type(result).__name__}: an AsyncWorker (on an "
+        "AsyncClient) needs an async handler; use Client for a blocking one"
+    )
+
+
 def _epoch_ms(message: Message) -> int:
     assert message.leased_at is not None
     return round(message.leased_at.timestamp() * 1000)
@@ -743,9 +818,13 @@ class AsyncWorker(Worker):
                 await engine.run()
             finally:
                 self._engine = None
+                self._stop_requested = False  # that stop was this run's: run again later
+        if engine.fatal is not None:
+            raise engine.fatal
 
     def stop(self) -> None:
-        """Stop taking messages and finish gracefully; safe from any thread."""
+        """Stop taking messages and finish gracefully; safe from any thread. Before
+        `run()`, that run returns at once."""
         self._stop_requested = True
         engine = self._engine
         if engine is None:
@@ -758,7 +837,6 @@ class AsyncWorker(Worker):
 
     async def __aenter__(self) -> Self:
         """Runs the worker in a task of its own until the block ends."""
-        self._stop_requested = False
         self._task = asyncio.get_running_loop().create_task(self.run())
         return self
 
@@ -771,7 +849,8 @@ class AsyncWorker(Worker):
         task, self._task = self._task, None
         if task is None:
             return
-        self.stop()
+        if not task.done():  # else a stop() would be left for the next run
+            self.stop()
         await task
 
 
@@ -793,6 +872,11 @@ class ThreadWorker(Worker):
     ) -> None:
         if not isinstance(client, Client):
             raise TypeError("ThreadWorker needs a Client (use AsyncClient for AsyncWorker)")
+        if _is_async(handler):  # its calls would return coroutines nobody runs
+            raise TypeError(
+                f"handler {handler!r} is async: a ThreadWorker (on a Client) runs blocking "
+                "handlers in threads; use AsyncClient for an async one"
+            )
         self._client = client
         self._handler = handler
         self._options = _Options.build(
@@ -802,28 +886,40 @@ class ThreadWorker(Worker):
         self._lock = threading.Lock()
         self._engine: _Engine | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._stop_requested = False
-        self._done: concurrent.futures.Future[None] | None = None
+        self._stop_requested = False  # for the current run, or the next one
+        self._running = False  # from start() to the end of `_serve`
+        # What ended the run: a handler's SystemExit, KeyboardInterrupt or misuse.
+        self._done: concurrent.futures.Future[BaseException | None] | None = None
 
     def start(self) -> None:
         """Start serving in the background; `stop()` and `join()` end it."""
         with self._lock:
             if self._done is not None and not self._done.done():
                 raise RuntimeError("this worker is already running")
-            self._stop_requested = False
             loop_thread, twin = self._client.streams()
+            self._running = True
             self._loop = loop_thread.loop
             self._done = loop_thread.submit(self._serve(twin))
 
-    async def _serve(self, twin: AsyncClient) -> None:
+    async def _serve(self, twin: AsyncClient) -> BaseException | None:
+        """Returns (never raises) what must end the worker in the caller's thread: a
+        SystemExit raised on the client's loop would end that loop, not the program."""
         loop = asyncio.get_running_loop()
         handler = self._handler
         pool = concurrent.futures.ThreadPoolExecutor(
             self._options.concurrency, thread_name_prefix=f"fila-worker-{self._options.queue}"
         )
 
+        def call(message: Message) -> object:
+            result = handler(message)  # what it raises, `_Engine._slot` handles
+            if inspect.isawaitable(result):  # never ack what did not run
+                if inspect.iscoroutine(result):
+                    result.close()
+                raise _Fatal(_wrong_kind(handler, result, blocking=True))
+            return result
+
         async def handle(message: Message) -> object:
-            return await loop.run_in_executor(pool, handler, message)
+            return await loop.run_in_executor(pool, call, message)
 
         engine = _Engine(twin, self._options, handle, self.stats)
         with self._lock:
@@ -835,41 +931,57 @@ class ThreadWorker(Worker):
         finally:
             with self._lock:
                 self._engine = None
+                self._running = False
+                self._stop_requested = False  # that stop was this run's: start again later
             # A handler past the grace period cannot be interrupted; do not wait for it.
             pool.shutdown(wait=False, cancel_futures=True)
+        return engine.fatal
 
     def stop(self) -> None:
         """Stop taking messages and finish gracefully; safe from any thread and from a
-        signal handler. `join()` waits for the end."""
+        signal handler. `join()` waits for the end. Before `start()`, that run ends at
+        once."""
+        self._stop(pending=True)
+
+    def _stop(self, *, pending: bool) -> None:
+        """Stops the current run; with `pending`, the next one if none runs."""
         with self._lock:
+            if not (pending or self._running):
+                return
             self._stop_requested = True
             engine, loop = self._engine, self._loop
         if engine is not None and loop is not None:
             loop.call_soon_threadsafe(engine.stop)
 
     def join(self, timeout: float | None = None) -> None:
-        """Wait for the worker to end; raises what ended it if it was not `stop()`."""
+        """Wait for the worker to end; raises what ended it if it was not `stop()`,
+        including a handler's SystemExit or KeyboardInterrupt."""
         done = self._done
         if done is None:
             return
         try:
-            done.result(timeout)
+            fatal = done.result(timeout)
         except concurrent.futures.TimeoutError:
             raise TimeoutError(f"worker still running after {timeout}s") from None
         except concurrent.futures.CancelledError:
             raise ClientClosedError("the client was closed under a running worker") from None
+        if fatal is not None:
+            raise fatal
 
     def run(self, *, stop_on_signals: bool = True) -> None:
         """Serve in this thread until `stop()`. SIGINT (Ctrl-C) and SIGTERM stop the
         worker gracefully when `stop_on_signals` and this is the main thread."""
         self.start()
+        done = self._done
         with _signals_call(self.stop, None, sync=stop_on_signals):
             while True:
                 try:
                     self.join()
                     return
-                except KeyboardInterrupt:  # no handler installed: stop gracefully anyway
-                    self.stop()
+                except KeyboardInterrupt:
+                    if done is None or done.done():
+                        raise  # a handler's: the worker ended on it
+                    self.stop()  # no handler installed: stop gracefully anyway
 
     def __enter__(self) -> Self:
         self.start()
@@ -881,7 +993,7 @@ class ThreadWorker(Worker):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.stop()
+        self._stop(pending=False)
         self.join()
 
 

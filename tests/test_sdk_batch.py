@@ -32,7 +32,14 @@ from fila_sdk import (
     MessageNotFoundError,
     QueueNotFoundError,
 )
-from fila_sdk.batching import EnqueueLike, chunks
+from fila_sdk.batching import (
+    MAX_ERROR_BYTES,
+    TRUNCATED_MARK,
+    EnqueueLike,
+    bounded_error,
+    chunks,
+    entries,
+)
 
 DEADLINE_S = 10.0
 MAX_PAYLOAD = 2048
@@ -127,6 +134,37 @@ def test_enqueue_many_to_a_missing_queue_fails_every_item_without_raising(
     results = client.enqueue_many(unique("missing"), [b"a", b"b"])
     assert [type(r) for r in results] == [QueueNotFoundError, QueueNotFoundError]
     assert client.enqueue_many(unique("missing"), []) == []
+
+
+def test_enqueue_many_checks_every_item_before_sending_any(client: Client) -> None:
+    """A malformed item used to be found while its chunk was built, after the chunks
+    before it were sent: the call raised, yet those messages were stored (with their
+    ids lost, and stored again by a retry)."""
+    malformed: list[object] = [
+        (None, "a str payload"),
+        EnqueueItem(None, "a str payload"),  # type: ignore[arg-type]
+        ({"k": 1}, b"a header value that is no str"),
+        ([("k", "v")], b"headers that are no mapping"),
+    ]
+    for bad in malformed:
+        with pytest.raises(TypeError, match="item 2"):
+            entries([b"ok", b"ok", bad])  # type: ignore[list-item]
+
+    name = unique("checked")
+    client.create_queue(name)
+    not_bytes: Any = (None, "not bytes")
+    items: list[EnqueueLike] = [b"ok"] * 10_000 + [not_bytes]
+    with pytest.raises(TypeError, match="item 10000"):
+        client.enqueue_many(name, items)
+
+    async def scenario() -> None:
+        async with AsyncClient(client.settings.target) as c:
+            with pytest.raises(TypeError, match="item 10000"):
+                await c.enqueue_many(name, items)
+            await c.enqueue_many(name, [b"after"])  # durable when it returns
+
+    asyncio.run(scenario())
+    assert client.get_stats(name).depth == 1  # only "after": nothing else was sent
 
 
 def test_async_enqueue_many_over_several_chunks(limited: ServerProcess) -> None:
@@ -353,6 +391,42 @@ def test_ack_many_and_nack_many_report_each_item(client: Client) -> None:
     assert client.get_stats(f"{name}.dlq").depth == 1  # the "fatal: 42" one, by its text
     again = take(client, name, 1)[0]
     assert (again.id, again.attempt_count) == (got[2].id, 1)
+
+
+def test_nack_error_text_is_bounded() -> None:
+    assert bounded_error("short") == "short"
+    assert bounded_error("e" * MAX_ERROR_BYTES) == "e" * MAX_ERROR_BYTES
+    for text in ("E" * 20_000_000, "\u00e9" * MAX_ERROR_BYTES, "\U0001f600" * 300 + "x"):
+        cut = bounded_error(text)
+        assert len(cut.encode()) <= MAX_ERROR_BYTES and cut.endswith(TRUNCATED_MARK)
+        assert text.startswith(cut[: -len(TRUNCATED_MARK)])  # no half character
+        assert len(cut.encode()) > MAX_ERROR_BYTES - len(TRUNCATED_MARK) - 4
+        assert bounded_error(cut) == cut
+
+
+def test_a_huge_nack_text_is_cut_on_every_nack_path(client: Client) -> None:
+    """A nack text over the broker's 16 MiB request limit failed the request and
+    every settlement in it; the SDK cuts it wherever a nack is sent."""
+    name = unique("huge")
+    client.create_queue(name, on_failure=DLQ_ON_EXACT_TEXT)  # any other text retries
+    client.enqueue_many(name, [b"%d" % i for i in range(4)])
+    got = take(client, name, 4, prefetch=10, max_batch=10)
+    huge = "E" * 20_000_000
+    assert client.nack_many(name, [(got[0].id, huge)]) == [None]
+    assert client.nack_many(name, [got[1].id], error=huge) == [None]
+    client.nack(name, got[2].id, huge)
+
+    async def scenario() -> None:
+        async with AsyncClient(client.settings.target) as c:
+            await c.nack(name, got[3].id, huge)
+
+    asyncio.run(scenario())
+    assert _counts(client, name) == (4, 0)
+
+
+def _counts(client: Client, name: str) -> tuple[int, int]:
+    stats = client.get_stats(name)
+    return stats.depth, stats.in_flight
 
 
 def test_async_ack_many_nack_many_and_coalesced_ack(limited: ServerProcess) -> None:
