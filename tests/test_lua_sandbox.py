@@ -939,3 +939,25 @@ def test_values_cross_into_lua_at_the_memory_cap(hostile_server: ServerProcess) 
         for size in (10, 20_000, 60_000):
             fila.enqueue(queue, b"c", {"big": "b" * size})
         assert hostile_server.running and broker_answers(fila)
+
+
+def test_loading_a_hook_never_runs_an_earlier_scripts_metamethods() -> None:
+    """Loading on_failure clears its name in the shared environment raw: on_enqueue's
+    __newindex on _G would otherwise run there, outside every budget (a loop in it
+    froze the broker for good)."""
+    on_enqueue = """
+    function on_enqueue(m) return { fairness_key = cleared and "ran" or "clean" } end
+    setmetatable(_G, { __newindex = function(t, k, v)
+      if v == nil then rawset(t, "cleared", true) else rawset(t, k, v) end
+    end })
+    """
+    hooks = _hooks(on_enqueue, 'function on_failure(m) return { action = "dlq" } end')
+    assert hooks.on_enqueue({}, 1).fairness_key == "clean"
+
+
+@pytest.mark.parametrize("weight", ["4", "4.0", "2^2", "8/2", 'tonumber("4.0")'])
+def test_a_whole_number_weight_is_taken_whatever_its_lua_type(weight: str) -> None:
+    hooks = _hooks(f'function on_enqueue(m) return {{ fairness_key = "k", weight = {weight} }} end')
+    decision = hooks.on_enqueue({}, 1)
+    assert (decision.fairness_key, decision.weight) == ("k", 4)
+    assert hooks.counters()["on_enqueue"].failed == 0

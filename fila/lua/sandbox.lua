@@ -38,10 +38,10 @@ local sethook = debug.sethook
 local co_create, co_resume, co_status, co_yield =
   coroutine.create, coroutine.resume, coroutine.status, coroutine.yield
 local raw_pcall, raw_xpcall, error, type, tostring = pcall, xpcall, error, type, tostring
-local rawget, rawlen, select, pairs = rawget, rawlen, select, pairs
+local rawget, rawset, rawlen, select, pairs = rawget, rawset, rawlen, select, pairs
 local raw_setmetatable, getmetatable = setmetatable, getmetatable
 local concat = table.concat
-local math_type, floor = math.type, math.floor
+local math_type, math_tointeger, floor = math.type, math.tointeger, math.floor
 local s_find, s_sub = string.find, string.sub
 local utf8_len = utf8.len
 local gc = collectgarbage
@@ -231,7 +231,9 @@ end
 
 local function compile(name, source)
   hooks[name] = nil
-  env[name] = nil -- a hook must come from this script, not an earlier one
+  -- A hook must come from this script, not an earlier one. Raw: an earlier script's
+  -- __newindex on its environment would otherwise run here, outside every budget.
+  rawset(env, name, nil)
   current_hook = name
   arm()
   local chunk, err = load(source, "=" .. name, "t", env)
@@ -276,8 +278,8 @@ local function enqueue_body(payload_size, queue, omitted, ...)
   end
   if weight == nil then
     weight = 1
-  elseif math_type(weight) == "float" and weight == weight // 1 then
-    weight = weight // 1
+  elseif math_type(weight) == "float" then
+    weight = math_tointeger(weight) or weight -- 4.0, 2^2, 8/2: whole numbers
   end
   if math_type(weight) ~= "integer" or weight < 1 or weight > 1000000 then
     return false, "weight must be an integer from 1 to 1000000"
