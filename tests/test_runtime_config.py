@@ -122,6 +122,27 @@ def test_values_persist_across_restart(server: ServerProcess, how: str) -> None:
         assert throttle_stats(fila, "cfgq") == {"persist": (7.5, 3.0)}
 
 
+def test_a_script_reading_config_as_it_loads_decides_the_same_after_a_restart(
+    server: ServerProcess,
+) -> None:
+    """Config comes back before the queues whose scripts read it at their top level."""
+    script = """
+    local weight = assert(tonumber(fila.get("tenant_weight")))
+    local route = fila.get("route_key") or "unconfigured"
+    function on_enqueue(m) return { fairness_key = route, weight = weight } end
+    """
+    with connect(server.addr) as fila:
+        set_config(fila, "tenant_weight", "5")
+        set_config(fila, "route_key", "blue")
+        fila.create_queue("routed", on_enqueue=script)
+    server.restart()
+    with connect(server.addr) as fila:
+        fila.enqueue("routed", b"after the restart")
+        with fila.consume("routed") as stream:
+            message = stream.get(T)
+    assert (message.metadata.fairness_key, message.metadata.weight) == ("blue", 5)
+
+
 @pytest.mark.parametrize("key", ["", "throttle."])
 def test_bad_key_is_invalid_argument(server: ServerProcess, key: str) -> None:
     with connect(server.addr) as fila:

@@ -1,9 +1,10 @@
 """Rebuilds the broker's in-memory state from storage at startup.
 
-Runs before the server accepts connections. Queues and runtime config come back
-first (throttle buckets start full), then every stored message is placed by its
-side records: a live lease is restored with its deadline, a lease whose deadline
-passed while the broker was down counts as an expired delivery (attempt + 1,
+Runs before the server accepts connections. Runtime config comes back first (a
+queue's scripts may read it as they load; throttle buckets start full), then the
+queues, then every stored message is placed by its side records: a live lease is
+restored with its deadline, a lease whose deadline passed while the broker was
+down counts as an expired delivery (attempt + 1,
 ready again), a delayed message keeps its due time, and everything else is
 ready. Scanning messages in key order, which is UUIDv7 order, rebuilds each
 fairness key's FIFO order and so the DRR rings; deficits start at zero.
@@ -48,6 +49,12 @@ class RecoveryReport:
 def recover(broker: Broker) -> RecoveryReport:
     storage, committer = broker.storage, broker.committer
     report = RecoveryReport()
+    # Config first: a queue's scripts run as they load and may read it (`fila.get`).
+    for raw_key, raw_value in storage.scan(keys.CONFIG):
+        try:
+            broker.admin.restore_config(keys.config_name_from_key(raw_key), raw_value.decode())
+        except UnicodeDecodeError:
+            raise CorruptionError(f"config record {raw_key[:64]!r} is not UTF-8") from None
     for raw_key, raw_queue in storage.scan(keys.QUEUE):
         try:
             record = QueueRecord.decode(raw_queue)
@@ -55,11 +62,6 @@ def recover(broker: Broker) -> RecoveryReport:
             raise CorruptionError(f"queue record {raw_key[:64]!r} does not decode: {exc}") from None
         broker.admin.restore_queue(record)
         report.queues += 1
-    for raw_key, raw_value in storage.scan(keys.CONFIG):
-        try:
-            broker.admin.restore_config(keys.config_name_from_key(raw_key), raw_value.decode())
-        except UnicodeDecodeError:
-            raise CorruptionError(f"config record {raw_key[:64]!r} is not UTF-8") from None
 
     leases = {
         keys.message_key_from_side_key(k): keys.decode_lease(v) for k, v in storage.scan(keys.LEASE)
