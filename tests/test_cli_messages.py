@@ -290,6 +290,22 @@ def test_tail_ack_consumes_the_backlog_and_new_messages(
     assert (stats.depth, stats.in_flight) == (0, 0)
 
 
+def test_tail_ack_count_takes_exactly_that_many(server: ServerProcess, client: Client) -> None:
+    """--ack --count 3 with more waiting: three printed and acked, none left leased."""
+    name = unique("tailn")
+    client.create_queue(name)
+    for i in range(5):
+        client.enqueue(name, None, f"m{i}".encode())
+    with Running("--addr", server.addr, "tail", name, "--ack", "--count", "3", "--json") as run:
+        _following(run)
+        printed = [json.loads(run.stdout.next(DEADLINE_S))["payload"] for _ in range(3)]
+        assert run.wait() == 0
+    assert printed == ["m0", "m1", "m2"]
+    wait_until(lambda: client.get_stats(name).acked_total == 3, DEADLINE_S)
+    stats = client.get_stats(name)
+    assert (stats.depth, stats.in_flight) == (2, 0)
+
+
 def test_tail_ack_holds_one_message_at_a_time(server: ServerProcess, client: Client) -> None:
     """Ctrl-C during --ack leaves at most the message being printed leased."""
     name = unique("tail1")

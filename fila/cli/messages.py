@@ -104,10 +104,15 @@ def tail(ctx: click.Context, queue: str, ack: bool, count: int | None) -> None:
     try:
         for message in stream:
             click.echo(json.dumps(message_json(message)) if json_lines else message_line(message))
+            shown += 1
+            last = count is not None and shown >= count
+            if last:
+                # Before the ack: the ack frees the stream's one message of credit, and
+                # a message sent on a Consume stream stays leased after the stream ends.
+                stream.close()
             if ack:
                 client.ack(queue, message.id)
-            shown += 1
-            if count is not None and shown >= count:
+            if last:
                 return
     except KeyboardInterrupt:
         return  # Ctrl-C is how a tail ends
