@@ -883,6 +883,31 @@ def test_apikeys_page_for_a_superadmin(
             raise AssertionError("a revoked key still works")
 
 
+def test_out_of_range_numbers_in_forms_are_refused_not_a_server_error(
+    server_factory: ServerFactory, dashboard_factory: DashboardFactory, page: Page
+) -> None:
+    broker = server_factory(config_toml=AUTH_CONFIG)
+    dash = dashboard_factory(broker.addr, env={"FILA_API_KEY": BOOTSTRAP_KEY})
+    channel, admin, metadata = _authed_admin(broker.addr, BOOTSTRAP_KEY)
+    with channel:
+        admin.CreateQueue(admin_pb2.CreateQueueRequest(name="oor"), metadata=metadata, timeout=10)
+    page.goto(dash.url + "/apikeys")
+    token = page.locator('#create-key input[name="csrf_token"]').input_value()
+
+    def post(path: str, form: dict[str, str]) -> int:
+        reply = page.request.post(
+            dash.url + path, form={**form, "csrf_token": token}, max_redirects=0
+        )
+        return reply.status
+
+    for days in ("inf", "nan", "1e300", "-1"):
+        assert post("/apikeys/create", {"name": "odd", "expires_days": days}) == 303, days
+    huge = str(2**64)
+    assert post("/dlq/oor.dlq/redrive", {"count": huge}) == 303
+    confirm = page.request.get(dash.url + f"/dlq/oor.dlq/confirm/redrive?count={huge}")
+    assert confirm.status < 500
+
+
 def test_dashboard_honours_the_acl_of_its_key(
     server_factory: ServerFactory, dashboard_factory: DashboardFactory, page: Page
 ) -> None:

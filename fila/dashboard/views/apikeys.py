@@ -24,6 +24,8 @@ from fila.dashboard.render import page
 
 ACL_KINDS = ("produce", "consume", "admin")
 
+_MAX_DAYS = 100 * 366  # further than any key needs; keeps the deadline a date
+
 
 def _unavailable(request: Request, err: BrokerError) -> Response:
     if err.unimplemented:
@@ -57,7 +59,7 @@ async def create(request: Request) -> Response:
         days = float(str(form.get("expires_days", "") or "0"))
     except ValueError:
         return _back(request, Flash("error", "Expiry must be a number of days (0 = never)."))
-    if days < 0:
+    if not 0 <= days <= _MAX_DAYS:  # also refuses nan and inf
         return _back(request, Flash("error", "Expiry must be a number of days (0 = never)."))
     expires_at_ms = int(time.time() * 1000 + days * 86_400_000) if days else 0
     superadmin = form.get("superadmin") == "yes"

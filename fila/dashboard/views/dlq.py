@@ -19,14 +19,17 @@ from fila.dashboard.flash import Flash
 from fila.dashboard.render import fragment, page
 from fila.dashboard.views.queue import browse, known_view, not_found, queue_view
 
+_MAX_COUNT = 2**64 - 1  # the wire's uint64
+
 
 def _count(raw: str | None) -> int | None:
-    """A redrive count: 0 means all; None for anything that is not a whole number >= 0."""
+    """A redrive count: 0 means all; None for anything that is not a whole number from 0
+    to the wire's largest."""
     try:
         value = int(raw or "0")
     except ValueError:
         return None
-    return value if value >= 0 else None
+    return value if 0 <= value <= _MAX_COUNT else None
 
 
 def _back(request: Request, name: str, flash: Flash) -> Response:
