@@ -158,6 +158,21 @@ def test_errors_are_one_line_and_exit_1(server: ServerProcess, tmp_path: Path) -
     fails(server, "--ca-cert", str(absent), "queue", "list")
 
 
+def test_values_past_what_the_wire_carries_are_one_line_too(server: ServerProcess) -> None:
+    """Numbers past uint64 or a date, text that is not UTF-8 (a stray byte in argv) and
+    an impossible host name end in one error line, not a traceback."""
+    name = unique("edge")
+    ok(server, "queue", "create", name)
+    assert "out of range" in fails(server, "redrive", f"{name}.dlq", "--count", str(2**64))
+    assert "out of range" in fails(server, "enqueue", name, "--delay", f"{2**64}ms", "x")
+    assert "out of range" in fails(server, "queue", "peek", name, "-n", str(2**63))
+    assert "out of range" in fails(server, "apikey", "create", "k", "--expires-in", "999999999d")
+    assert "not valid text" in fails(server, "queue", "create", "\udcff")
+    assert "not valid text" in fails(server, "enqueue", name, "-H", "k=\udcff", "x")
+    long_host = "a" * 64 + ":5555"
+    assert "not valid text" in fails(long_host, "queue", "list")
+
+
 def test_usage_errors_keep_exit_2(server: ServerProcess) -> None:
     assert fila(server, "queue", "create").exit_code == 2
     assert fila(server, "queue", "create", "q", "--visibility-timeout", "soon").exit_code == 2

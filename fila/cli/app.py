@@ -14,7 +14,7 @@ from fila import __version__
 from fila.cli import acl, apikey, cluster, config, messages, queue, redrive
 from fila.cli import health as health_module
 from fila.cli.context import Group, Options
-from fila.cli.errors import UsageFailure, broker_failure
+from fila.cli.errors import Failure, UsageFailure, broker_failure
 from fila.dashboard.command import dashboard
 from fila.wire import DEFAULT_ADDR
 from fila_sdk import FilaError
@@ -54,6 +54,10 @@ class _Root(Group):
             if isinstance(err, NoArgsIsHelpError):
                 raise
             raise UsageFailure.from_click(err) from err
+        except UnicodeError as err:  # text that cannot go on the wire or in a host name
+            raise Failure(f"an argument is not valid text for the broker: {err}") from err
+        except (ValueError, OverflowError) as err:  # a value past what the wire can carry
+            raise Failure(f"a value is out of range: {err}") from err
 
 
 @click.group(cls=_Root)
