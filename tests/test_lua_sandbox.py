@@ -961,3 +961,22 @@ def test_a_whole_number_weight_is_taken_whatever_its_lua_type(weight: str) -> No
     decision = hooks.on_enqueue({}, 1)
     assert (decision.fairness_key, decision.weight) == ("k", 4)
     assert hooks.counters()["on_enqueue"].failed == 0
+
+
+def test_time_spent_inside_one_instruction_counts_against_the_budget() -> None:
+    """A chain of __call metamethods is followed inside one OP_CALL, where no hook fires
+    (0.2-0.4 s here against a 10 ms budget); the call must still fail on its budget,
+    so the breaker can stop a script that does it every time."""
+    hooks = _hooks(
+        """
+        local t = setmetatable({}, {})
+        getmetatable(t).__call = t
+        function on_enqueue(m)
+          pcall(t)
+          return { fairness_key = "stalled" }
+        end
+        """
+    )
+    assert hooks.on_enqueue({}, 1) == DEFAULT_ENQUEUE
+    counters = hooks.counters()["on_enqueue"]
+    assert counters.failed == 1 and "budget" in counters.last_error
