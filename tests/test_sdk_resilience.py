@@ -24,6 +24,7 @@ from typing import Any
 import grpc
 import pytest
 from support import ServerFactory
+from support import until as poll_until
 from support.sdk_fakes import fake_broker, silent_stream, sleeper, unary
 
 from fila.server.process import ServerProcess
@@ -186,17 +187,7 @@ def test_batched_async_consume_carries_on_across_a_restart(
 
 
 async def until(predicate: Callable[[], object], what: str, within: float = DEADLINE_S) -> None:
-    """Awaits a predicate (plain, or returning an awaitable) with a deadline."""
-    deadline = time.monotonic() + within
-    while True:
-        value = predicate()
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.02)
+    await poll_until(predicate, what, within)
 
 
 def no_stream_settled_an_unknown_id(caplog: pytest.LogCaptureFixture) -> None:

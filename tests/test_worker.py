@@ -14,8 +14,11 @@ import threading
 import time
 import uuid
 from collections import Counter
+from collections.abc import Callable
 
 import pytest
+from support import until as poll_until
+from support import wait_until
 from support.sdk_fakes import ScriptedConsume, fake_broker
 
 from fila.server.process import ServerProcess
@@ -47,25 +50,11 @@ def unique(prefix: str) -> str:
 
 
 async def until(predicate: object, what: str, within: float = DEADLINE_S) -> None:
-    """Awaits an (async or sync) predicate with a deadline."""
-    deadline = time.monotonic() + within
-    while True:
-        value = predicate()  # type: ignore[operator]
-        if asyncio.iscoroutine(value):
-            value = await value
-        if value:
-            return
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {within}s waiting for {what}")
-        await asyncio.sleep(0.02)
+    await poll_until(predicate, what, within)  # type: ignore[arg-type]
 
 
-def wait(predicate: object, what: str, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
+def wait(predicate: Callable[[], object], what: str, timeout: float = DEADLINE_S) -> None:
+    wait_until(predicate, timeout, what=what)
 
 
 def test_worker_type_follows_the_client_and_errors_are_raised(server: ServerProcess) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -34,14 +35,28 @@ def wait_until(
     return last
 
 
-__all__ = ["ServerFactory", "ServerProcess", "wait_until"]
+async def until(predicate: Callable[[], object], what: str, within: float) -> None:
+    """`wait_until` for asyncio tests: awaits a predicate (plain, or returning an
+    awaitable) without blocking the loop; fails the test after `within` seconds."""
+    deadline = time.monotonic() + within
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {within}s waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+__all__ = ["ServerFactory", "ServerProcess", "until", "wait_until"]
 
 
 # --- asyncio (grpc.aio) helpers -------------------------------------------------------
 # Appended for tests/test_recovery.py; usable by any test that drives the broker from
 # an event loop.
 
-import asyncio  # noqa: E402
 from collections.abc import Awaitable  # noqa: E402
 
 
