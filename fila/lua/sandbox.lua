@@ -60,6 +60,7 @@ local BUDGET = "CPU budget exhausted"
 local worker = nil -- the coroutine scripts run in
 local active = false -- a script call is in progress
 local exhausted = false
+local started = false
 local deadline = 0.0
 local debt = 0
 local planted = false
@@ -92,7 +93,11 @@ end
 check = function()
   debt = 0
   if not active then return end
-  if thread_clock() > deadline then
+  local now = thread_clock()
+  if not started then
+    started = true
+    deadline = now + budget_s
+  elseif now > deadline then
     exhausted = true
     sethook(worker, budget_hook, "", 1)
     error(BUDGET, 0)
@@ -141,16 +146,9 @@ end
 local function run(fn, arg)
   if worker == nil or co_status(worker) ~= "suspended" then worker = co_create(worker_body) end
   sethook(worker, budget_hook, "", window_now())
-  -- The clock starts now, not at the first check: one instruction can run long before
-  -- any hook fires (a chain of __call metamethods, followed inside one OP_CALL), and
-  -- that time must count against the budget.
-  exhausted, debt, active = false, 0, true
-  deadline = thread_clock() + budget_s
+  exhausted, started, debt, active = false, false, 0, true
   local ok, result = co_resume(worker, fn, arg)
   active = false
-  if not exhausted and thread_clock() > deadline then
-    exhausted = true -- it overran where no hook fired, and finished before the next one
-  end
   if exhausted then
     worker = nil -- it would raise on its next instruction
     exhausted = false

@@ -31,6 +31,12 @@ from lupa import lua54
 from fila.lua import inputs
 from fila.lua.script_log import PRINT_MAX_BYTES, ScriptLog
 
+# What sandbox.lua raises when a call runs out of its CPU budget.
+BUDGET_EXHAUSTED = b"CPU budget exhausted"
+# A call that held its thread this many budgets (wall time, at least MIN_STALL_S) fails
+# even if it finished: see `_call`. Far above any budget a host's scheduling adds to.
+STALL_BUDGETS = 10
+MIN_STALL_S = 0.1
 # the largest script accepted; compiling is one C call the budget cannot interrupt
 MAX_SCRIPT_BYTES = 256 * 1024
 
@@ -101,6 +107,7 @@ class LuaSandbox:
         script_log: ScriptLog | None = None,
     ) -> None:
         self._budget_s = timeout_ms / 1000.0
+        self._stall_s = max(STALL_BUDGETS * self._budget_s, MIN_STALL_S)
         runtime = lua54.LuaRuntime(
             max_memory=0,
             encoding=None,
@@ -201,12 +208,20 @@ class LuaSandbox:
         return (True, action.decode(), delay_ms)
 
     def _call(self, entry_point: Any, *args: Any) -> Outcome:
+        started = time.perf_counter()
         try:
             result = entry_point(*args)
         finally:
             self._gate.lift()
         if not isinstance(result, tuple):
             result = (result,)
+        if result[0] is True and time.perf_counter() - started > self._stall_s:
+            # It ran long where the budget is never checked (one instruction can: a chain
+            # of __call metamethods is followed inside one OP_CALL) and finished before
+            # the next check. Failing it lets the breaker stop a script that does it every
+            # time. Wall time, not the thread's CPU time: reading that clock twice cost
+            # about 1.5 us per call here, a third of a small hook; hence the margin.
+            result = (False, BUDGET_EXHAUSTED)
         if result[0] is not True:
             # free what the failed call left, so the next call gets the whole cap
             self._runtime.gccollect()
