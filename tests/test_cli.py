@@ -173,6 +173,17 @@ def test_values_past_what_the_wire_carries_are_one_line_too(server: ServerProces
     assert "not valid text" in fails(long_host, "queue", "list")
 
 
+def test_a_watch_interval_must_be_a_number_of_seconds(server: ServerProcess) -> None:
+    for bad in ("nan", "inf", "0.01"):
+        result = fila(server, "queue", "list", "--watch", "--iterations", "3", "--interval", bad)
+        assert result.exit_code == 2, (bad, result.stderr)
+
+
+def test_a_url_as_the_address_gets_the_host_port_it_meant(server: ServerProcess) -> None:
+    line = fails(f"http://{server.addr}", "queue", "list")
+    assert "is a URL" in line and f"e.g. {server.addr}" in line and "IPv6" not in line
+
+
 def test_usage_errors_keep_exit_2(server: ServerProcess) -> None:
     assert fila(server, "queue", "create").exit_code == 2
     assert fila(server, "queue", "create", "q", "--visibility-timeout", "soon").exit_code == 2

@@ -34,6 +34,7 @@ _UNREACHED: Final = (
     grpc.StatusCode.DEADLINE_EXCEEDED,
     grpc.StatusCode.UNIMPLEMENTED,
 )
+_URL: Final = re.compile(r"(?i)(?:https?|grpcs?)://(?P<rest>[^/]*)")
 _BRACKETED: Final = re.compile(r"\[(?P<host>[^\]]+)\](?::(?P<port>.*))?")
 
 
@@ -54,6 +55,11 @@ def endpoint(addr: str) -> Endpoint | None:
     """
     if addr.lower().startswith(_SCHEMES):
         return None
+    if match := _URL.match(addr):  # a URL, which gRPC does not take
+        raise Failure(
+            f'address "{addr}" is a URL: give host:port (e.g. {match["rest"] or DEFAULT_ADDR}), '
+            "and --tls for TLS"
+        )
     if match := _BRACKETED.fullmatch(addr):
         host, port = match["host"], match["port"] or ""
     elif addr.count(":") > 1:

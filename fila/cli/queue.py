@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+import math
 import sys
 import time
-from typing import Final
+from typing import Any, Final
 
 import click
 
@@ -23,6 +24,17 @@ from fila_sdk import Client, QueueInfo, QueueNotFoundError
 PEEK_PAGE: Final = 1000
 
 
+class _Seconds(click.FloatRange):
+    """A number of seconds within a range; click's FloatRange alone lets "nan" through
+    (it compares false with both bounds), which made a watch refresh in a tight loop."""
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        seconds = super().convert(value, param, ctx)
+        if math.isnan(seconds):
+            self.fail(f"{value!r} is not a number of seconds", param, ctx)
+        return seconds
+
+
 def _watch_options(command: F) -> F:
     """`--watch`, `--interval` and the hidden `--iterations` (bounded runs for tests)."""
     for option in (
@@ -34,7 +46,7 @@ def _watch_options(command: F) -> F:
         ),
         click.option(
             "--interval",
-            type=click.FloatRange(min=0.1),
+            type=_Seconds(min=0.1, max=86_400),
             default=1.0,
             show_default=True,
             metavar="SECONDS",
