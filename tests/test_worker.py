@@ -12,14 +12,12 @@ import os
 import signal
 import threading
 import time
-import uuid
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
-from support import until as poll_until
-from support import wait_until
 from support.sdk_fakes import ScriptedConsume, fake_broker
+from support.worker import DEADLINE_S, unique, until, wait
+from support.worker import counts as _counts
 
 from fila.server.process import ServerProcess
 from fila.v1 import messages_pb2
@@ -34,7 +32,6 @@ from fila_sdk import (
     Worker,
 )
 
-DEADLINE_S = 15.0
 # Dead-letters a nack only when its error text is exactly the handler's exception
 # text; any other text retries, so a DLQ arrival proves the text reached the broker.
 DLQ_ON_EXACT_TEXT = """
@@ -43,18 +40,6 @@ function on_failure(msg)
   return { action = "retry" }
 end
 """
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-async def until(predicate: object, what: str, within: float = DEADLINE_S) -> None:
-    await poll_until(predicate, what, within)  # type: ignore[arg-type]
-
-
-def wait(predicate: Callable[[], object], what: str, timeout: float = DEADLINE_S) -> None:
-    wait_until(predicate, timeout, what=what)
 
 
 def test_worker_type_follows_the_client_and_errors_are_raised(server: ServerProcess) -> None:
@@ -376,11 +361,6 @@ def test_thread_worker_extends_leases_and_stops_gracefully(server: ServerProcess
         assert worker.stats.released == worker.stats.delivered - 2 >= 2
         # within less than the 1.5 s visibility timeout: released, not expired
         wait(lambda: _counts(c, name) == (3, 0), "two acked, the rest back", timeout=1.0)
-
-
-def _counts(c: Client, name: str) -> tuple[int, int]:
-    stats = c.get_stats(name)
-    return stats.depth, stats.in_flight
 
 
 def test_closing_the_client_under_a_thread_worker_ends_it(server: ServerProcess) -> None:

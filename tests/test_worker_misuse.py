@@ -12,20 +12,17 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import uuid
 from collections import Counter
-from collections.abc import Callable
 
 import pytest
-from support import until as poll_until
-from support import wait_until
+from support.worker import DEADLINE_S, unique, until, wait
+from support.worker import counts as _counts
 
 from fila.server.process import ServerProcess
 from fila_sdk import AsyncClient, Client, ClientClosedError, Message, ThreadWorker, Worker
 from fila_sdk.batching import MAX_ERROR_BYTES, TRUNCATED_MARK
 from fila_sdk.retry import Backoff
 
-DEADLINE_S = 15.0
 # Dead-letters a nack whose text was cut by the SDK (anything else retries), so a DLQ
 # arrival proves the bounded text reached the broker.
 DLQ_ON_TRUNCATED = f"""
@@ -37,23 +34,6 @@ function on_failure(msg)
   return {{ action = "retry" }}
 end
 """
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-async def until(predicate: object, what: str, within: float = DEADLINE_S) -> None:
-    await poll_until(predicate, what, within)  # type: ignore[arg-type]
-
-
-def wait(predicate: Callable[[], object], what: str, timeout: float = DEADLINE_S) -> None:
-    wait_until(predicate, timeout, what=what)
-
-
-def _counts(c: Client, name: str) -> tuple[int, int]:
-    stats = c.get_stats(name)
-    return stats.depth, stats.in_flight
 
 
 async def _acounts_are(c: AsyncClient, name: str, want: tuple[int, int]) -> bool:
