@@ -196,7 +196,7 @@ def test_closing_an_async_client_under_a_reconnecting_worker_raises(
         run = asyncio.create_task(worker.run())
         await until(lambda: _subscribed(c, name), "the worker subscribed")
         server.kill()
-        await until(lambda: worker.stats.resubscribed == 1, "the worker reconnecting")
+        await until(lambda: worker.stats.resubscribed >= 1, "the worker reconnecting")
         await c.close()
         with pytest.raises(ClientClosedError):
             await asyncio.wait_for(run, DEADLINE_S)
@@ -219,7 +219,7 @@ def test_closing_a_client_under_a_reconnecting_thread_worker_raises(
     worker.start()
     wait(lambda: c.get_stats(name).active_consumers == 1, "the worker subscribed")
     server.kill()
-    wait(lambda: worker.stats.resubscribed == 1, "the worker reconnecting")
+    wait(lambda: worker.stats.resubscribed >= 1, "the worker reconnecting")
     c.close()
     with pytest.raises(ClientClosedError):
         worker.join(DEADLINE_S)
