@@ -34,6 +34,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
+from fila.wire import is_port
+
 PersistMode = Literal["sync", "buffer"]
 
 
@@ -75,7 +77,7 @@ class Address:
                 return f"scheme {scheme}:// is not supported (allowed: {allowed})"
             rest = rest.split("/", 1)[0]
         host, sep, port = rest.rpartition(":")
-        if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        if not sep or not is_port(port):
             return "expected host:port with a port from 1 to 65535"
         if host.startswith("[") != host.endswith("]") or " " in host:
             return "the host is malformed"
@@ -338,7 +340,7 @@ def _check_cluster(config: Config, source: str) -> None:
 
 def _is_host_port(text: str) -> bool:
     host, sep, port = text.rpartition(":")
-    return bool(sep and host and port.isdigit() and 0 < int(port) < 65536)
+    return bool(sep and host and is_port(port))
 
 
 def _find(cli_path: str | None, env: Mapping[str, str]) -> Path | None:

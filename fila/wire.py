@@ -17,6 +17,12 @@ DEFAULT_ADDR: Final = "localhost:5555"
 DEFAULT_LISTEN_ADDR: Final = "127.0.0.1:5555"
 
 
+def is_port(text: str) -> bool:
+    """A TCP port written in ASCII digits, 1-65535. `str.isdigit` alone also takes
+    other scripts' digits (full-width ones, say), which `int` reads but no resolver does."""
+    return text.isascii() and text.isdigit() and 0 < int(text) < 65536
+
+
 class ErrorKind(StrEnum):
     """Why a request failed; the value travels in `ERROR_KIND_METADATA_KEY`."""
 

@@ -48,6 +48,8 @@ def test_an_address_without_a_port_is_refused_before_connecting() -> None:
     assert "[::1]:5555" in fails("::1", "queue", "list")
     assert 'invalid port "http"' in fails("localhost:http", "queue", "list")
     assert 'invalid port "70000"' in fails("localhost:70000", "queue", "list")
+    full_width = "\uff15\uff15\uff15\uff15"  # int() reads it as 5555; resolvers do not
+    assert f'invalid port "{full_width}"' in fails(f"localhost:{full_width}", "queue", "list")
 
 
 def test_bracketed_ipv6_and_grpc_uris_are_accepted(server: ServerProcess) -> None:

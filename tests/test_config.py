@@ -22,6 +22,7 @@ from fila.config import (
     load_config,
     parse_config,
 )
+from fila.wire import is_port
 
 
 @pytest.fixture
@@ -315,6 +316,10 @@ def test_cluster_env_overrides_are_typed(no_system_config: Path) -> None:
             "entries are host:port",
         ),
         (
+            '[cluster]\nnode_id = 1\nadvertise_addr = "a:\uff15\uff15"\netcd_endpoints = ["e:1"]',
+            'needs "cluster.advertise_addr"',
+        ),
+        (
             '[cluster]\nnode_id = 1\nadvertise_addr = "a:1"\netcd_endpoints = ["e:1"]\n'
             'etcd_prefix = "fila/"',
             '"cluster.etcd_prefix" must start with "/"',
@@ -328,3 +333,23 @@ def test_bad_cluster_settings_stop_startup(no_system_config: Path, text: str, ne
     with pytest.raises(ConfigError, match=r"fila\.toml") as raised:
         load_config(None, {})
     assert needle in str(raised.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "valid"),
+    [
+        ("1", True),
+        ("5555", True),
+        ("65535", True),
+        ("0", False),
+        ("65536", False),
+        ("", False),
+        ("-1", False),
+        ("+80", False),
+        (" 80", False),
+        ("\uff15\uff15\uff15\uff15", False),  # full-width: int() reads them, resolvers do not
+        ("\u0665\u0665", False),  # Arabic-Indic
+    ],
+)
+def test_a_port_is_ascii_digits_from_1_to_65535(text: str, valid: bool) -> None:
+    assert is_port(text) is valid

@@ -122,7 +122,9 @@ def test_listen_addresses(listen: str, host: str, port: int, loopback: bool) -> 
     assert is_loopback(host) is loopback
 
 
-@pytest.mark.parametrize("bad", ["8080", ":8080", "host:", "host:0", "host:70000", "host:x"])
+@pytest.mark.parametrize(
+    "bad", ["8080", ":8080", "host:", "host:0", "host:70000", "host:x", "host:\uff18\uff10"]
+)
 def test_bad_listen_addresses(bad: str) -> None:
     with pytest.raises(click.BadParameter):
         parse_listen(bad)

@@ -17,7 +17,7 @@ from fila.cli import diagnose, raw
 from fila.cli.context import options
 from fila.cli.errors import Failure
 from fila.cli.files import optional_file
-from fila.wire import DEFAULT_ADDR
+from fila.wire import DEFAULT_ADDR, is_port
 from fila_sdk import Client, FilaError
 
 # An unreachable broker should fail a human's command quickly, not hang.
@@ -77,7 +77,7 @@ def endpoint(addr: str) -> Endpoint | None:
             f'address "{addr}" has no port: use {shown}:{DEFAULT_PORT} '
             f"(the broker's default port) in --addr or FILA_ADDR"
         )
-    if not port.isdigit() or not 0 < int(port) < 65536:
+    if not is_port(port):
         raise Failure(f'address "{addr}" has an invalid port "{port}": use a number 1-65535')
     return Endpoint(host, int(port))
 

@@ -14,7 +14,7 @@ from typing import Any, Final
 import click
 
 from fila.dashboard.broker import Connection
-from fila.wire import DEFAULT_ADDR
+from fila.wire import DEFAULT_ADDR, is_port
 
 DEFAULT_LISTEN: Final = "127.0.0.1:8080"
 # Long enough that guessing it over the network is hopeless.
@@ -24,7 +24,7 @@ MIN_TOKEN_CHARS: Final = 16
 def parse_listen(value: str) -> tuple[str, int]:
     """`host:port` or `[v6]:port` -> (host, port)."""
     host, sep, port_text = value.rpartition(":")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+    if not sep or not host or not is_port(port_text):
         raise click.BadParameter(f"expected HOST:PORT, got {value!r}", param_hint="--listen")
     if host.startswith("[") and host.endswith("]"):
         host = host[1:-1]
