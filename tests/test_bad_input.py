@@ -177,6 +177,8 @@ CASES = [
     Bad("create-space", create("a b"), INVALID, "invalid_argument", ('"a b"',)),
     Bad("create-slash", create("x/y"), INVALID, "invalid_argument", ('"x/y"',)),
     Bad("create-non-ascii", create("é"), INVALID, "invalid_argument", ('"é"',)),
+    Bad("create-dot", create("."), INVALID, "invalid_argument", ('"."', "reserved")),
+    Bad("create-dot-dot", create(".."), INVALID, "invalid_argument", ('".."', "reserved")),
     Bad("create-256-chars", create(LONG), INVALID, "invalid_argument", ("256", "255")),
     Bad("create-dlq-suffix", create("orders.dlq"), INVALID, "invalid_argument", ("orders.dlq",)),
     Bad("create-dlq-of-existing", create("base.dlq"), INVALID, "invalid_argument", ("base.dlq",)),

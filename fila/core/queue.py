@@ -43,6 +43,9 @@ def validate_queue_name(name: str) -> None:
         raise InvalidArgument(
             f'queue name "{clip(name)}" may only contain letters, digits and . _ - :'
         )
+    if name in (".", ".."):
+        # path segments every URL client folds away: the dashboard could not address it
+        raise InvalidArgument(f'queue name "{name}" is reserved ("." and ".." are path steps)')
 
 
 @dataclass(frozen=True, slots=True)
