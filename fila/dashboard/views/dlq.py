@@ -32,6 +32,18 @@ def _count(raw: str | None) -> int | None:
     return value if 0 <= value <= _MAX_COUNT else None
 
 
+def _not_a_dlq(request: Request, name: str) -> Response | None:
+    """A 404 for a name that is not a dead-letter queue (a live queue's messages are not
+    for redriving, and its purge belongs on its own page); None for a DLQ's name."""
+    if parent_of(name) is not None:
+        return None
+    reason = (
+        f"“{name}” is not a dead-letter queue: those are named after their queue with "
+        f"“.dlq” at the end. The queue's own page is /queues/{name}."
+    )
+    return page(request, "missing.html", {"name": name, "reason": reason}, status_code=404)
+
+
 def _back(request: Request, name: str, flash: Flash) -> Response:
     response = RedirectResponse(f"/dlq/{name}", status_code=303)
     of(request).flasher.put(response, flash)
@@ -40,6 +52,8 @@ def _back(request: Request, name: str, flash: Flash) -> Response:
 
 async def dlq_page(request: Request) -> Response:
     name = request.path_params["name"]
+    if parent_of(name) is None:
+        return RedirectResponse(f"/queues/{name}", status_code=303)
     view = await known_view(request, name)
     if view is None:
         return not_found(request, name)
@@ -58,10 +72,12 @@ async def dlq_live(request: Request) -> Response:
 async def confirm(request: Request) -> Response:
     name = request.path_params["name"]
     action = request.path_params["action"]
+    if (refused := _not_a_dlq(request, name)) is not None:
+        return refused
     view = await known_view(request, name)
     if view is None:
         return not_found(request, name)
-    target = parent_of(name) or "its queue"
+    target = parent_of(name)
     if action == "redrive":
         count = _count(request.query_params.get("count"))
         if count is None:
@@ -97,6 +113,8 @@ async def confirm(request: Request) -> Response:
 
 async def redrive(request: Request) -> Response:
     name = request.path_params["name"]
+    if (refused := _not_a_dlq(request, name)) is not None:
+        return refused
     form = await request.form()
     count = _count(str(form.get("count", "")))
     if form.get("confirmed") != "yes" or count is None:
@@ -107,7 +125,7 @@ async def redrive(request: Request) -> Response:
     except BrokerError as err:
         return _back(request, name, Flash("error", f"Redrive refused by the broker: {err.message}"))
     await dash.sampler.sample()
-    target = parent_of(name) or "its queue"
+    target = parent_of(name)
     return _back(
         request, name, Flash("ok", f"Redrove {moved} message(s) from “{name}” to “{target}”.")
     )
@@ -115,6 +133,8 @@ async def redrive(request: Request) -> Response:
 
 async def purge(request: Request) -> Response:
     name = request.path_params["name"]
+    if (refused := _not_a_dlq(request, name)) is not None:
+        return refused
     form = await request.form()
     if form.get("confirmed") != "yes":
         return _back(request, name, Flash("error", "Purge not confirmed; nothing was deleted."))
