@@ -1,12 +1,11 @@
-"""Connections the load generators use: SDK clients, on shared or dedicated TCP connections.
+"""Connections the load generators use: SDK clients, each on its own TCP connection.
 
-gRPC pools subchannels process-wide, so every `AsyncClient` to the same address
-shares one TCP connection (checked with `ss`: five clients, one connection). A
-benchmark whose variable is the number of connections (the 50-producer enqueue, the
-1/8/50 durability matrix) needs real ones: `open_connections(dedicated=True)` gives
-each client its own with the `grpc.use_local_subchannel_pool` channel option. Those
-rows measure what a user of the SDK gets: `enqueue` rides an open `StreamEnqueue`
-stream, acks are coalesced into `AckBatch`.
+A benchmark whose variable is the number of connections (the 50-producer enqueue,
+the 1/8/50 durability matrix) needs real ones: each `AsyncClient` keeps its own
+(`fila_sdk` sets `grpc.use_local_subchannel_pool`; without it gRPC pooled them
+process-wide, checked with `ss`: five clients, one connection). Those rows measure
+what a user of the SDK gets: `enqueue` rides an open `StreamEnqueue` stream, acks are
+coalesced into `AckBatch`.
 
 `UnaryConnection` is the other client: one unary `Enqueue` call per message over the
 raw stubs. Only the echo ceiling uses it, because the ceiling is defined as what this
@@ -26,7 +25,8 @@ import grpc.aio
 from fila.v1 import service_pb2, service_pb2_grpc
 from fila_sdk import AsyncClient, Message
 
-_DEDICATED_OPTIONS = (
+# A raw channel on its own TCP connection, taking messages of any size (as fila_sdk's).
+_OWN_CONNECTION = (
     ("grpc.use_local_subchannel_pool", 1),
     ("grpc.max_receive_message_length", -1),
 )
@@ -50,7 +50,7 @@ class UnaryConnection:
     """One TCP connection of its own, one unary call per message (see the module docstring)."""
 
     def __init__(self, addr: str) -> None:
-        self._channel = grpc.aio.insecure_channel(addr, options=_DEDICATED_OPTIONS)
+        self._channel = grpc.aio.insecure_channel(addr, options=_OWN_CONNECTION)
         self._stub = service_pb2_grpc.FilaServiceStub(self._channel)
 
     async def enqueue(self, queue: str, headers: Mapping[str, str] | None, payload: bytes) -> str:
@@ -73,10 +73,8 @@ class UnaryConnection:
         await self._channel.close(None)
 
 
-def open_connections(addr: str, count: int, *, dedicated: bool) -> list[AsyncClient]:
-    """`count` connections: separate TCP connections if `dedicated`, else SDK clients."""
-    if dedicated:
-        return [AsyncClient(addr, channel_options=_DEDICATED_OPTIONS) for _ in range(count)]
+def open_connections(addr: str, count: int) -> list[AsyncClient]:
+    """`count` SDK clients, that is `count` TCP connections."""
     return [AsyncClient(addr) for _ in range(count)]
 
 

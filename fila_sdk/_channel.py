@@ -49,6 +49,11 @@ CHANNEL_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
     # timeout (grpc.min_reconnect_backoff_ms, 20 s) is left alone for slow links.
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 500),
+    # gRPC shares one connection between channels to the same address with the same
+    # arguments: a new Client would inherit another one's backoff after a broker
+    # restart and fail its first call although the broker is back. Each channel keeps
+    # its own connection instead (this is also what `connections=` relies on).
+    ("grpc.use_local_subchannel_pool", 1),
 )
 
 _BY_KIND: Final[Mapping[str, type[FilaError]]] = {
@@ -194,10 +199,6 @@ class Settings:
             )
         metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         options = dict[str, str | int](CHANNEL_OPTIONS)
-        if connections > 1:
-            # gRPC shares one TCP connection between channels to the same address
-            # unless each keeps its own subchannel pool.
-            options["grpc.use_local_subchannel_pool"] = 1
         options.update(channel_options or ())  # the caller's options win
         return cls(
             addr,

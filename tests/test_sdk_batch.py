@@ -536,6 +536,30 @@ def test_connections_spread_batch_calls_and_channel_options_apply() -> None:
         Client("localhost:1", connections=0)
 
 
+def test_two_clients_to_one_address_do_not_share_a_connection() -> None:
+    """gRPC would put both on one TCP connection, so a Client made after a broker restart
+    inherited the other's reconnect backoff and failed its first call."""
+
+    def handlers(b: Any) -> dict[str, Any]:
+        return {
+            "EnqueueBatch": unary("EnqueueBatch", service_pb2.EnqueueBatchRequest, batch_ids, b)
+        }
+
+    with fake_broker(handlers) as fake:
+        with Client(fake.addr) as first, Client(fake.addr) as second:
+            first.enqueue_many("q", [b"x"])
+            second.enqueue_many("q", [b"x"])
+
+        async def scenario() -> None:
+            async with AsyncClient(fake.addr) as third, AsyncClient(fake.addr) as fourth:
+                await third.enqueue_many("q", [b"x"])
+                await fourth.enqueue_many("q", [b"x"])
+
+        asyncio.run(scenario())
+        peers = [c.peer for c in fake.of("EnqueueBatch")]
+        assert len(peers) == len(set(peers)) == 4
+
+
 def test_results_are_typed_errors_rooted_at_fila_error(client: Client) -> None:
     results = client.enqueue_many(unique("missing"), [b"x"])
     assert isinstance(results[0], FilaError) and "not found" in results[0].message

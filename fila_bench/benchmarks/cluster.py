@@ -106,7 +106,7 @@ async def _forwarding(ctx: Context) -> list[Result]:
         for index in range(SLICES):
             for path, addr in paths.items():
                 ctx.status(f"enqueue through the {path}, window {index + 1} of {SLICES}")
-                conns = open_connections(addr, PRODUCERS, dedicated=True)
+                conns = open_connections(addr, PRODUCERS)
                 try:
                     run = await enqueue_for(
                         conns,

@@ -54,7 +54,7 @@ def _case(mode: PersistMode, connections: int) -> Case:
         name = f"{label}_{connections}c"
         async with broker(ctx, name, mode) as server, AsyncClient(server.addr) as admin:
             await admin.create_queue(QUEUE)
-            conns = open_connections(server.addr, connections, dedicated=True)
+            conns = open_connections(server.addr, connections)
             try:
                 ctx.status(f"enqueue, {connections} connections")
                 enq = await enqueue_for(
@@ -103,9 +103,7 @@ async def _paired(ctx: Context) -> list[Result]:
         try:
             for (mode, admin), server in zip(admins.items(), (durable, buffered), strict=True):
                 await admin.create_queue(QUEUE)
-                conns[mode] = list(
-                    open_connections(server.addr, PAIRED_CONNECTIONS, dedicated=True)
-                )
+                conns[mode] = list(open_connections(server.addr, PAIRED_CONNECTIONS))
 
             async def load(mode: PersistMode, warmup_s: float, measure_s: float) -> float:
                 run = await enqueue_for(

@@ -29,11 +29,7 @@ def _case(mode: PersistMode, producers: int) -> Case:
         p = ctx.profile
         async with broker(ctx, name, mode) as server, AsyncClient(server.addr) as admin:
             await admin.create_queue(QUEUE)
-            conns: list[AsyncClient]
-            if producers == 1:
-                conns = [admin]
-            else:
-                conns = open_connections(server.addr, MULTI_CONNECTIONS, dedicated=True)
+            conns = [admin] if producers == 1 else open_connections(server.addr, MULTI_CONNECTIONS)
             ctx.status(f"{producers} producers, {p.warmup_s:g}s warmup + {p.measure_s:g}s")
             try:
                 run = await enqueue_for(

@@ -39,7 +39,7 @@ async def _run(ctx: Context) -> list[Result]:
     async with broker(ctx, "lua", "buffer") as server, AsyncClient(server.addr) as client:
         await client.create_queue("plain")
         await client.create_queue("hooked", on_enqueue=keys_script())
-        conns = open_connections(server.addr, CONNECTIONS, dedicated=True)
+        conns = open_connections(server.addr, CONNECTIONS)
         try:
             for queue in sent:  # warm both paths once, uncounted
                 await enqueue_for(

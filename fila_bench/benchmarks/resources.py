@@ -54,7 +54,7 @@ async def _rss(ctx: Context) -> list[Result]:
         idle = rss_mib(server.pid)
         ctx.status(f"{LOAD_PRODUCERS} producers + {LOAD_CONSUMERS} consumers")
         peak = RssPeak(server.pid)
-        conns = open_connections(server.addr, LOAD_CONNECTIONS, dedicated=True)
+        conns = open_connections(server.addr, LOAD_CONNECTIONS)
         consumers = [_ack_everything(client, "rss") for _ in range(LOAD_CONSUMERS)]
         try:
             async with background(peak.run(), *consumers):
@@ -103,7 +103,7 @@ async def _compaction(ctx: Context) -> list[Result]:
         before = rocksdb_events(server)
         # The burst gets its own TCP connections so its 256 KiB frames do not queue
         # in front of the probe's on a shared HTTP/2 connection.
-        conns = open_connections(server.addr, BURST_CONNECTIONS, dedicated=True)
+        conns = open_connections(server.addr, BURST_CONNECTIONS)
         try:
             async with background(probe()):
                 ctx.status(f"baseline probe {p.compaction_baseline_s:g}s")

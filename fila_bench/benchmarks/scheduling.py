@@ -218,9 +218,7 @@ def _consumers_case(consumers: int) -> Case:
             AsyncClient(server.addr) as client,
         ):
             await client.create_queue("work")
-            conns = open_connections(
-                server.addr, math.ceil(consumers / STREAMS_PER_CONNECTION), dedicated=True
-            )
+            conns = open_connections(server.addr, math.ceil(consumers / STREAMS_PER_CONNECTION))
             try:
                 ctx.status(f"preloading {backlog:,}")
                 ids = await preload(
