@@ -503,3 +503,39 @@ def test_conservation_catches_a_broker_that_duplicates_jobs(tmp_path: Path) -> N
     assert all(m.status.startswith("failed") for m in measured), measured
     assert "delivered more than once" in measured[0].status
     assert "broker still holds" in measured[0].status
+
+
+# --- install.sh -----------------------------------------------------------------------
+
+INSTALL_SH = Path(__file__).resolve().parent.parent / "bench-competitive" / "install.sh"
+
+
+@pytest.mark.parametrize("policy_existed", [True, False], ids=["docker-image", "bare"])
+def test_install_sh_exits_0_after_a_good_install(tmp_path: Path, policy_existed: bool) -> None:
+    """With fake `apt-get` and `id` alone on PATH: the install succeeds, the script says
+    so with exit 0, and policy-rc.d is left as it was found (kept, or removed again)."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "apt-calls"
+    fakes = {
+        "id": "#!/bin/sh\necho 0\n",
+        "apt-get": f'#!/bin/sh\necho "$@" >> {calls}\n',
+    }
+    for name, text in fakes.items():
+        (bin_dir / name).write_text(text, encoding="utf-8")
+        (bin_dir / name).chmod(0o755)
+    for tool in ("chmod", "rm"):
+        (bin_dir / tool).symlink_to(f"/bin/{tool}")
+    policy = tmp_path / "policy-rc.d"
+    if policy_existed:
+        policy.write_text("#!/bin/sh\nexit 101\n", encoding="utf-8")
+    result = subprocess.run(
+        ["/bin/bash", str(INSTALL_SH), "redis"],
+        env={"PATH": str(bin_dir), "FILA_POLICY_RC_D": str(policy)},
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "install -y -qq --no-install-recommends redis-server" in calls.read_text()
+    assert policy.exists() is policy_existed
