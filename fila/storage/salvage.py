@@ -222,10 +222,14 @@ def _copy_readable(source: Rdict, target: Rdict, report: SalvageReport) -> None:
             it.next()
         if _ok(it):
             return  # the end, read cleanly
-        resume = _next_readable(it, last)
-        report.damaged_regions.append((last.hex()[:40], resume.hex()[:40] if resume else "end"))
+        resume = _next_readable(source, last)
+        shown = resume.rstrip(b"\x00").hex()[:40] if resume else "end"
+        report.damaged_regions.append((last.hex()[:40], shown))
         if resume is None:
             return
+        it = source.iter()
+        it.seek(resume)
+        last = resume  # the next search starts past it, whatever this seek reads
 
 
 def _valid(it: RdictIter) -> bool:
@@ -240,14 +244,20 @@ def _ok(it: RdictIter) -> bool:
     return True
 
 
-def _next_readable(it: RdictIter, after: bytes) -> bytes | None:
-    """Positions `it` on the first key it can read past the damage after `after`;
-    returns the seek target used, or None when nothing readable follows."""
+def _next_readable(source: Rdict, after: bytes) -> bytes | None:
+    """The first seek target past `after` from which `source` reads again (padded to
+    the key width), or None when nothing readable follows.
+
+    Every probe seeks a fresh iterator. One iterator remembers the block it last
+    read, so the same seek could fail from one position and succeed from another:
+    the search then settled on a target that failed again when the copy resumed
+    there, and the repair looped forever (about one damaged file in twenty)."""
     base = int.from_bytes(after.ljust(_KEY_WIDTH, b"\x00"), "big")
 
     def readable(target: int) -> bool:
-        it.seek(target.to_bytes(_KEY_WIDTH, "big"))
-        return _ok(it)
+        probe = source.iter()
+        probe.seek(target.to_bytes(_KEY_WIDTH, "big"))
+        return _ok(probe)
 
     step, bad = 1, base
     while True:
@@ -263,6 +273,4 @@ def _next_readable(it: RdictIter, after: bytes) -> bytes | None:
             good = middle
         else:
             bad = middle
-    target = good.to_bytes(_KEY_WIDTH, "big")
-    it.seek(target)
-    return target.rstrip(b"\x00")
+    return good.to_bytes(_KEY_WIDTH, "big")
