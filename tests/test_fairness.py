@@ -32,11 +32,14 @@ async def _enqueue_all(
     *,
     channels: int = 4,
     in_flight: int = 64,
+    per_call: int = 1,
 ) -> list[str]:
     """Enqueues `count` messages with each `headers`, interleaving the batches.
 
-    Requests are spread over several channels, `in_flight` at a time. Returns the
-    message ids, in no particular order.
+    Requests are spread over several channels, `in_flight` at a time, one `Enqueue`
+    per message, or `EnqueueBatch` calls of `per_call` messages where only the
+    backlog matters, not how it arrived. Returns the message ids, in no particular
+    order.
     """
     jobs: list[dict[str, str]] = []
     remaining = [count for _, count in batches]
@@ -50,19 +53,27 @@ async def _enqueue_all(
         stubs = [service_pb2_grpc.FilaServiceStub(c) for c in chans]
         limit = asyncio.Semaphore(in_flight)
 
-        async def one(i: int, headers: dict[str, str]) -> str:
+        async def call(i: int, part: list[dict[str, str]]) -> list[str]:
+            requests = [
+                service_pb2.EnqueueRequest(queue=queue, headers=headers, payload=b"m")
+                for headers in part
+            ]
             async with limit:
-                reply = await stubs[i % channels].Enqueue(
-                    service_pb2.EnqueueRequest(queue=queue, headers=headers, payload=b"m"),
-                    timeout=30.0,
+                if per_call == 1:
+                    reply = await stubs[i % channels].Enqueue(requests[0], timeout=30.0)
+                    return [reply.message_id]
+                batch = await stubs[i % channels].EnqueueBatch(
+                    service_pb2.EnqueueBatchRequest(messages=requests), timeout=30.0
                 )
-                return str(reply.message_id)
+            assert all(r.WhichOneof("result") == "message_id" for r in batch.results), batch
+            return [r.message_id for r in batch.results]
 
-        ids = await asyncio.gather(*(one(i, h) for i, h in enumerate(jobs)))
+        parts = [jobs[at : at + per_call] for at in range(0, len(jobs), per_call)]
+        ids = await asyncio.gather(*(call(i, part) for i, part in enumerate(parts)))
     finally:
         for c in chans:
             await c.close(None)
-    return list(ids)
+    return [message_id for part_ids in ids for message_id in part_ids]
 
 
 async def _consume_acking(addr: str, queue: str, count: int) -> list[messages_pb2.Message]:
@@ -123,6 +134,7 @@ def test_weighted_fairness_within_one_point_over_5000(server: ServerProcess) -> 
                     server.addr,
                     "fair",
                     [({"tenant": k, "w": str(weights[k])}, n) for k, n in needed.items()],
+                    per_call=100,
                 )
             )
         )
