@@ -45,6 +45,7 @@ from fila.server import admin, service
 from fila.server.auth import auth_interceptors, load_keyring
 from fila.server.limits import connection_cap, raise_open_files_limit
 from fila.server.memory import HeapTrimmer
+from fila.server.readers import StreamReaders
 from fila.storage.backend import CorruptionError, DataDirInUse, RocksStorage, StorageError
 from fila.storage.committer import Committer
 from fila.storage.layout import upgrade_layout
@@ -217,9 +218,12 @@ async def serve(config: Config) -> ExitCode:
     server = grpc.aio.server(
         options=server_options(config, max_connections), interceptors=interceptors
     )
+    # In cluster mode the edge's splitter reads each StreamEnqueue, not the service:
+    # those streams end with the grace period.
+    stream_readers = StreamReaders()
     server.add_generic_rpc_handlers(
         (
-            service.FilaService(broker).generic_handler(),
+            service.FilaService(broker, None if cluster else stream_readers).generic_handler(),
             admin.FilaAdmin(broker, keyring).generic_handler(),
         )
     )
@@ -279,6 +283,7 @@ async def serve(config: Config) -> ExitCode:
         await cluster.leave()
     if not failure:
         broker.close()
+    stream_readers.interrupt()
     await server.stop(config.server.shutdown_grace_ms / 1000)
     trimmer.stop()
     if telemetry is not None:

@@ -20,10 +20,11 @@ import grpc
 
 from fila.core.broker import Broker, ItemResult
 from fila.core.consumers import Consumer
-from fila.core.errors import BrokerError, InvalidArgument
+from fila.core.errors import BrokerError, InvalidArgument, Unavailable
 from fila.core.frames import KEEPALIVE_FRAME, timestamp, varint
 from fila.server import access, rpc
 from fila.server.access import Kind
+from fila.server.readers import StreamReaders
 from fila.server.rpc import BadRequest, Context
 from fila.server.status import OK, batch_error
 from fila.storage.backend import StorageError
@@ -36,9 +37,20 @@ class _StreamDone(BrokerError):
     """The client half-closed a StreamConsume: end the stream with OK."""
 
 
+class _Ending(Exception):
+    """A StreamEnqueue request that ends the stream, once the answers owed are written."""
+
+    def __init__(self, reason: BrokerError) -> None:
+        super().__init__(str(reason))
+        self.reason = reason
+
+
 class FilaService:
-    def __init__(self, broker: Broker) -> None:
+    def __init__(self, broker: Broker, readers: StreamReaders | None = None) -> None:
+        """`readers`: where open StreamEnqueue calls wait for requests, so that the
+        shutdown can end them (None: they end when the grace period does)."""
         self._broker = broker
+        self._readers = readers
 
     # -- enqueue -------------------------------------------------------------------
 
@@ -75,7 +87,6 @@ class FilaService:
         that does not decode, or a key revoked meanwhile) still lets every request
         before it be answered first: those were stored, and a client that never
         heard so could only enqueue them again."""
-        broker = self._broker
         answers: asyncio.Queue[tuple[int, list[ItemResult], asyncio.Future[None]] | None]
         answers = asyncio.Queue()
 
@@ -90,27 +101,15 @@ class FilaService:
         writer = asyncio.create_task(write_answers())
         ending: BrokerError | None = None
         try:
-            async for request in requests:
-                if isinstance(request, BadRequest):
-                    rpc.BAD_REQUESTS.note("StreamEnqueue", request)
-                    ending = request.error()
-                    break
-                try:
-                    access.require_key()
-                except BrokerError as exc:
-                    ending = exc
-                    break
-                try:
-                    self._check_batch_size(len(request.messages), "messages", allow_empty=True)
-                    items, merge = access.screen(Kind.PRODUCE, request.messages, _queue_of)
-                    stored, committed = broker.enqueue(items)
-                    results = merge(stored)
-                except BrokerError as exc:
-                    results = [exc] * len(request.messages)
-                    committed = _done()
-                answers.put_nowait((request.sequence_number, results, committed))
-                if writer.done():
-                    break
+            try:
+                with self._readers.reading() if self._readers else contextlib.nullcontext():
+                    await self._take_requests(requests, answers, writer)
+            except _Ending as end:
+                ending = end.reason
+            except asyncio.CancelledError:
+                if self._readers is None or not self._readers.interrupted():
+                    raise
+                ending = Unavailable("broker is shutting down")
             answers.put_nowait(None)
             await writer
             if ending is not None:
@@ -120,6 +119,36 @@ class FilaService:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, BrokerError, StorageError):
                     await writer
+
+    async def _take_requests(
+        self,
+        requests: AsyncIterator[service_pb2.StreamEnqueueRequest | BadRequest],
+        answers: asyncio.Queue[tuple[int, list[ItemResult], asyncio.Future[None]] | None],
+        writer: asyncio.Task[None],
+    ) -> None:
+        """Hands each request to the broker as it arrives and queues its answer, until
+        the client half-closes or the writer fails; raises `_Ending` for a request
+        that ends the stream."""
+        broker = self._broker
+        async for request in requests:
+            if isinstance(request, BadRequest):
+                rpc.BAD_REQUESTS.note("StreamEnqueue", request)
+                raise _Ending(request.error())
+            try:
+                access.require_key()
+            except BrokerError as exc:
+                raise _Ending(exc) from None
+            try:
+                self._check_batch_size(len(request.messages), "messages", allow_empty=True)
+                items, merge = access.screen(Kind.PRODUCE, request.messages, _queue_of)
+                stored, committed = broker.enqueue(items)
+                results = merge(stored)
+            except BrokerError as exc:
+                results = [exc] * len(request.messages)
+                committed = _done()
+            answers.put_nowait((request.sequence_number, results, committed))
+            if writer.done():
+                return
 
     # -- consume -------------------------------------------------------------------
 
