@@ -26,6 +26,7 @@ Marked `cluster` (about two minutes in all): deselect with `-m "not cluster"`.
 
 from __future__ import annotations
 
+import asyncio
 import queue as queues
 import socket
 import threading
@@ -45,6 +46,7 @@ from support.cluster import (
     Netns,
     cluster,
     node_config,
+    paused,
     require_etcd,
     require_netns,
 )
@@ -678,6 +680,82 @@ def test_kill9_of_an_owner(tmp_path: Path) -> None:
         made.node(3).start()
         wait_until(back, 10, what="the owner answering after a quick restart")
         assert "revoking this node's previous lease" in made.node(3).log_text()
+
+
+def test_calls_forwarded_to_an_owner_that_stops_answering_end_once_it_is_down(
+    tmp_path: Path,
+) -> None:
+    """Node 1 stops answering (SIGSTOP) with calls forwarded to it through node 2: a
+    unary call without a deadline, and a StreamEnqueue whose first request is for node
+    1's queue and second for node 3's. Once etcd counts node 1 down (its lease TTL),
+    each ends with "queue q is on node 1, which is down" instead of waiting for node 1
+    (forever, without a deadline), and the stream's answer for node 3's queue, queued
+    behind node 1's, goes out too."""
+    with cluster(tmp_path, 3) as made:
+        on = spread(made, "hang")
+        entry = made.fila(2)
+        entry.enqueue(on[1], b"warm")  # node 2 has a channel to node 1
+        detail = f'queue "{on[1]}" is on node 1, which is down'
+        limit = LEASE_TTL_MS / 1000 + 5
+        with paused(made.node(1)):
+            unary = entry.svc.Enqueue.future(service_pb2.EnqueueRequest(queue=on[1]))
+            stream = entry.svc.StreamEnqueue(
+                iter(
+                    service_pb2.StreamEnqueueRequest(
+                        sequence_number=seq, messages=[service_pb2.EnqueueRequest(queue=queue)]
+                    )
+                    for seq, queue in ((1, on[1]), (2, on[3]))
+                ),
+                timeout=limit,
+            )
+            try:
+                err = unary.exception(timeout=limit)
+            finally:
+                unary.cancel()
+            assert isinstance(err, grpc.RpcError), err
+            assert status_of(err) == (UNAVAILABLE, detail, "unavailable")
+            first, second = list(stream)
+            assert (first.results[0].error.code, first.results[0].error.message) == (14, detail)
+            assert second.sequence_number == 2 and second.results[0].message_id
+        wait_until(lambda: _answers(entry, on[1]), 10, what="node 1 answering again")
+
+
+def test_only_the_cancellation_of_a_cut_channel_reads_as_the_node_down() -> None:
+    """A forwarded call cancelled because its node's channel was cut answers "down";
+    one whose own task is cancelled (the client left, the server stops) must stay
+    cancelled, even when the channel was cut too."""
+    from fila.cluster.layout import NodeRecord
+    from fila.cluster.peers import Link, cut_off
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        addr = f"127.0.0.1:{free_port()}"
+        link = Link(NodeRecord(9, addr, 1), grpc.aio.insecure_channel(addr))
+        intact = cut_off(link)
+        link.cut = True
+
+        async def cancelled() -> bool:
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                return cut_off(link)
+            return True
+
+        task = asyncio.create_task(cancelled())
+        await asyncio.sleep(0)
+        task.cancel()
+        mine = await task
+        await link.channel.close()
+        return intact, cut_off(link), mine
+
+    assert asyncio.run(scenario()) == (False, True, False)
+
+
+def _answers(fila: Fila, queue: str) -> bool:
+    try:
+        fila.stats(queue)
+    except grpc.RpcError:
+        return False
+    return True
 
 
 def _lease_one(made: Cluster, owner: int, queue: str) -> str:

@@ -12,6 +12,12 @@ Requests and answers cross as bytes, so the hop costs a serialization at most, n
 re-encoding of the answer. The owner's failure comes back as it was (`RemoteError`:
 code, message, error kind); a node that does not answer at all (connection refused,
 reset, no route) is reported through `down`, as "queue q is on node 3, which is down".
+So is a call in flight to a node that etcd then counts down (it stopped answering:
+paused, cut off, crashed without a reset): its channel is closed at once, and the call
+ends with `down` instead of waiting on the node, or forever when the caller gave no
+deadline. gRPC ends the calls of a closed channel with a bare `asyncio.CancelledError`;
+`cut_off` tells that one apart from a cancellation of the caller's own task (the
+client went away, the server stops), which must go on as a cancellation.
 
 Channels reconnect quickly (100-500 ms backoff) because a restarted owner should be
 reachable as soon as it serves; a node that comes back at a new address or with a new
@@ -20,6 +26,7 @@ lease gets a fresh channel.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from typing import Any, Final, TypeAlias, cast
@@ -61,20 +68,43 @@ def _identity(raw: bytes) -> bytes:
     return raw
 
 
+class Link:
+    """The channel to one node as one record (address and lease) describes it; `cut`
+    once that record is gone (the node left, or came back with a new lease)."""
+
+    __slots__ = ("channel", "cut", "record")
+
+    def __init__(self, record: NodeRecord, channel: grpc.aio.Channel) -> None:
+        self.record = record
+        self.channel = channel
+        self.cut = False
+
+
+def cut_off(link: Link) -> bool:
+    """Whether the `asyncio.CancelledError` just caught by a call on `link` came from
+    closing its channel (the node is gone: answer `down`), not from cancelling the
+    running task (re-raise it)."""
+    task = asyncio.current_task()
+    return link.cut and (task is None or task.cancelling() == 0)
+
+
 class Peers:
     def __init__(self, node_id: int, credentials: grpc.ChannelCredentials | None) -> None:
         self._node_id = str(node_id)
         self._credentials = credentials
-        self._channels: dict[int, tuple[NodeRecord, grpc.aio.Channel]] = {}
-        self._retired: list[grpc.aio.Channel] = []
+        self._links: dict[int, Link] = {}
+        self._current: dict[int, NodeRecord | None] = {}  # as the listener last heard
+        self._closing: set[asyncio.Task[None]] = set()
 
     def node_changed(self, node_id: int, record: NodeRecord | None) -> None:
-        """`fila.cluster.nodes` listener: a node that left or came back (new lease,
-        maybe a new address) gets a fresh channel on its next call."""
-        known = self._channels.get(node_id)
-        if known is not None and known[0] != record:
-            del self._channels[node_id]
-            self._retired.append(known[1])
+        """`fila.cluster.nodes` listener: the channel to a node that left or came back
+        (new lease, maybe a new address) is cut at once, ending the calls in flight on
+        it; the node gets a fresh channel on its next call."""
+        self._current[node_id] = record
+        known = self._links.get(node_id)
+        if known is not None and known.record != record:
+            del self._links[node_id]
+            self._cut(known)
 
     def metadata(self, context: Context) -> Metadata:
         """The caller's credentials and trace context, marked as forwarded by this node."""
@@ -93,9 +123,12 @@ class Peers:
         timeout_cap: float | None = None,
     ) -> bytes:
         """Forwards one unary call with the caller's deadline (at most `timeout_cap`);
-        the owner's answer as bytes, or its failure raised."""
-        await self._close_retired()
-        call = self._channel(node).unary_unary(
+        the owner's answer as bytes, or its failure raised (`down()` once the owner is
+        counted down, even with no deadline)."""
+        link = self._link(node)
+        if link.cut:
+            raise down()
+        call = link.channel.unary_unary(
             method, request_serializer=_identity, response_deserializer=_identity
         )
         timeout = context.time_remaining()
@@ -105,40 +138,55 @@ class Peers:
             response: bytes = await call(request, metadata=self.metadata(context), timeout=timeout)
         except grpc.aio.AioRpcError as exc:
             raise translate(exc, down) from None
+        except asyncio.CancelledError:
+            if cut_off(link):
+                raise down() from None
+            raise
         return response
 
     def stream(
         self, node: NodeRecord, method: str, metadata: Metadata
-    ) -> grpc.aio.StreamStreamCall[bytes, bytes]:
-        """Opens a bidirectional stream to `node`; the caller writes and reads bytes."""
-        multi = self._channel(node).stream_stream(
+    ) -> tuple[Link, grpc.aio.StreamStreamCall[bytes, bytes]]:
+        """Opens a bidirectional stream to `node`; the caller writes and reads bytes,
+        and asks `cut_off(link)` when one of those is cancelled."""
+        link = self._link(node)
+        multi = link.channel.stream_stream(
             method, request_serializer=_identity, response_deserializer=_identity
         )
-        return multi(None, metadata=metadata)
+        return link, multi(None, metadata=metadata)
 
-    def _channel(self, node: NodeRecord) -> grpc.aio.Channel:
-        known = self._channels.get(node.node_id)
-        if known is not None and known[0] == node:
-            return known[1]
-        if known is not None:
-            self._retired.append(known[1])
+    def _link(self, node: NodeRecord) -> Link:
+        known = self._links.get(node.node_id)
+        if known is not None and known.record == node:
+            return known
         addr = node.advertise_addr
         if self._credentials is None:
             channel = grpc.aio.insecure_channel(addr, options=CHANNEL_OPTIONS)
         else:
             channel = grpc.aio.secure_channel(addr, self._credentials, options=CHANNEL_OPTIONS)
-        self._channels[node.node_id] = (node, channel)
-        return channel
+        link = Link(node, channel)
+        if self._current.get(node.node_id, node) != node:
+            # A record the caller read before the node left or changed: cut already.
+            self._cut(link)
+            return link
+        if known is not None:
+            self._cut(known)
+        self._links[node.node_id] = link
+        return link
 
-    async def _close_retired(self) -> None:
-        while self._retired:
-            await self._retired.pop().close(None)
+    def _cut(self, link: Link) -> None:
+        link.cut = True
+        task = asyncio.get_running_loop().create_task(link.channel.close(None))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)
 
     async def close(self) -> None:
-        channels: Iterable[grpc.aio.Channel] = [c for _, c in self._channels.values()]
-        self._channels.clear()
-        self._retired.extend(channels)
-        await self._close_retired()
+        links = list(self._links.values())
+        self._links.clear()
+        for link in links:
+            await link.channel.close(None)
+        if self._closing:
+            await asyncio.gather(*self._closing, return_exceptions=True)
 
 
 def translate(exc: grpc.aio.AioRpcError, down: Callable[[], BrokerError]) -> BrokerError:

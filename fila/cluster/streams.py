@@ -8,7 +8,9 @@ one forwarding stream per node, opened on first use with the caller's credential
 and kept for the life of the producer's stream. Each request is answered once every
 part of it is answered, with its results in request order, and requests are answered
 in the order they came (as on a single node). A message whose owner is down, or whose
-owner's stream fails, gets its error in its own result; the stream stays open.
+owner's stream fails, gets its error in its own result; the stream stays open. A node
+counted down while parts are on their way to it (`fila.cluster.peers` cuts its channel)
+fails those parts with OwnerDown at once, so the answers queued behind them go out.
 
 A request's failure as a whole (over `server.max_batch_messages`) is its items' error,
 as on a single node; a revoked key ends the stream with UNAUTHENTICATED at its next
@@ -29,7 +31,7 @@ import grpc.aio
 
 from fila.cluster.errors import OwnerDown
 from fila.cluster.layout import NodeRecord
-from fila.cluster.peers import Peers, is_forwarded, translate
+from fila.cluster.peers import Link, Peers, cut_off, is_forwarded, translate
 from fila.cluster.routing import LOCAL, Router, Target
 from fila.core.errors import BrokerError, InvalidArgument
 from fila.server import access, rpc
@@ -90,8 +92,11 @@ class _CaptureContext:
 class _Remote:
     """The forwarding stream to one node, and the parts it still owes answers for."""
 
-    def __init__(self, node: NodeRecord, call: grpc.aio.StreamStreamCall[bytes, bytes]) -> None:
+    def __init__(
+        self, node: NodeRecord, link: Link, call: grpc.aio.StreamStreamCall[bytes, bytes]
+    ) -> None:
         self.node = node
+        self.link = link
         self.call = call
         self.parts: dict[int, tuple[_Pending, list[int], list[str]]] = {}
         self.sequence = 0
@@ -241,8 +246,8 @@ class StreamSplitter:
     ) -> None:
         remote = self._remotes.get(node.node_id)
         if remote is None or remote.broken is not None or remote.node != node:
-            call = self._peers.stream(node, METHOD, self._peers.metadata(self._context))
-            remote = self._remotes[node.node_id] = _Remote(node, call)
+            link, call = self._peers.stream(node, METHOD, self._peers.metadata(self._context))
+            remote = self._remotes[node.node_id] = _Remote(node, link, call)
             remote.reader = asyncio.create_task(self._read_remote(remote))
         remote.sequence += 1
         part.sequence_number = remote.sequence
@@ -252,6 +257,10 @@ class StreamSplitter:
             await remote.call.write(part.SerializeToString())
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self._break(remote, _transport_error(exc, remote))
+        except asyncio.CancelledError:
+            if not cut_off(remote.link):
+                raise
+            self._break(remote, OwnerDown("-", node.node_id))
 
     async def _read_remote(self, remote: _Remote) -> None:
         try:
@@ -263,6 +272,11 @@ class StreamSplitter:
                     pending.fill(indexes, response.results)
         except grpc.aio.AioRpcError as exc:
             self._break(remote, _transport_error(exc, remote))
+            return
+        except asyncio.CancelledError:
+            if not cut_off(remote.link):
+                raise
+            self._break(remote, OwnerDown("-", remote.node.node_id))
             return
         if remote.parts:  # the owner ended its stream without answering everything
             self._break(remote, OwnerDown("-", remote.node.node_id))
@@ -297,9 +311,14 @@ class StreamSplitter:
         """The producer closed its side: close ours, so every part gets its answer."""
         self._local_in.put_nowait(None)
         for remote in self._remotes.values():
-            if remote.broken is None:
-                with contextlib.suppress(grpc.RpcError, asyncio.InvalidStateError):
+            if remote.broken is None and not remote.link.cut:
+                try:
                     await remote.call.done_writing()
+                except (grpc.RpcError, asyncio.InvalidStateError):
+                    pass  # its reader reports what happened
+                except asyncio.CancelledError:
+                    if not cut_off(remote.link):
+                        raise
         if self._local_task is not None:
             await self._local_task
         readers = [r.reader for r in self._remotes.values() if r.reader is not None]

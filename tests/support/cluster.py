@@ -12,6 +12,7 @@ import contextlib
 import os
 import secrets
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -199,6 +200,18 @@ def cluster(root: Path, nodes: int = 3, *, bootstrap_key: str | None = None) -> 
         yield made
     finally:
         made.close()
+
+
+@contextlib.contextmanager
+def paused(proc: ServerProcess) -> Iterator[None]:
+    """SIGSTOPs `proc` and continues it on exit: alive, its connections open, but
+    answering nothing, as a hung node (or one behind a silent network) looks to the
+    others; etcd counts it down once its lease TTL passes."""
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
 
 
 # -- network namespaces ----------------------------------------------------------------------
