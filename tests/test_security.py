@@ -37,7 +37,7 @@ from support import ServerFactory
 
 from fila.cli import cli
 from fila.core.clock import ManualClock
-from fila.core.errors import InvalidArgument
+from fila.core.errors import InvalidArgument, Unavailable
 from fila.security.acl import Kind, Pattern, Permission, may_delegate
 from fila.security.apikeys import fingerprint
 from fila.security.failures import (
@@ -48,7 +48,7 @@ from fila.security.failures import (
     FailureGuard,
 )
 from fila.security.keyring import Keyring, Refusal
-from fila.security.keystore import LocalKeyStore
+from fila.security.keystore import LocalKeyStore, StoredKeys
 from fila.server.access import RULES, Scope
 from fila.server.process import ServerProcess
 from fila.storage.backend import MemoryStorage, RocksStorage
@@ -1123,16 +1123,76 @@ def test_a_key_lost_before_anyone_listened_reports_it_to_the_first_listener() ->
         committer = Committer(MemoryStorage(), "buffer", lambda exc: None)
         clock = ManualClock()
         keyring = Keyring(LocalKeyStore(MemoryStorage(), committer), clock, BOOT)
-        revoked_record, revoked_key, _ = keyring.create(None, "gone", 0, False)
-        _, expiring_key, _ = keyring.create(None, "short", clock.now_ms() + 10, False)
+        revoked_record, revoked_key, written = keyring.create(None, "gone", 0, False)
+        await written
+        _, expiring_key, written = keyring.create(None, "short", clock.now_ms() + 10, False)
+        await written
         revoked, expiring = keyring.authenticate(revoked_key), keyring.authenticate(expiring_key)
         assert not isinstance(revoked, Refusal) and not isinstance(expiring, Refusal)
-        keyring.revoke(None, revoked_record.key_id)
+        await keyring.revoke(None, revoked_record.key_id)
         clock.advance(11)
         for caller in (revoked, expiring):
             lost = caller.key_lost()
             assert lost.done() and "revoked or expired" in str(lost.result())
         committer.close()
+
+    asyncio.run(scenario())
+
+
+class _FlakyStore:
+    """A KeyStore whose writes fail while `failing` is set (a disk error; in cluster
+    mode, etcd away)."""
+
+    def __init__(self) -> None:
+        self.failing = False
+
+    def load(self) -> StoredKeys:
+        return StoredKeys([], {})
+
+    async def _write(self) -> None:
+        if self.failing:
+            raise Unavailable("the store is away")
+
+    def save_key(self, record: Any) -> Any:
+        return self._write()
+
+    def save_acl(self, key_id: str, permissions: Any) -> Any:
+        return self._write()
+
+    def delete_key(self, key_id: str) -> Any:
+        return self._write()
+
+
+def test_a_key_change_the_store_did_not_take_changes_nothing() -> None:
+    """A revocation, an ACL change or a creation whose write fails leaves the keyring
+    as the store has it: the key still authenticates, is listed, keeps its ACL, and a
+    retry of the revocation succeeds. (In cluster mode nothing else could set it
+    right: etcd's copy did not change, so the mirror has nothing newer to apply.)"""
+
+    async def scenario() -> None:
+        store = _FlakyStore()
+        keyring = Keyring(store, ManualClock(), BOOT)
+        record, key, written = keyring.create(None, "kept", 0, False)
+        await written
+        await keyring.set_acl(None, record.key_id, [("produce", "*")])
+        store.failing = True
+        with pytest.raises(Unavailable):
+            await keyring.revoke(None, record.key_id)
+        with pytest.raises(Unavailable):
+            await keyring.set_acl(None, record.key_id, [("consume", "*")])
+        _, unwritten_key, unwritten = keyring.create(None, "unwritten", 0, False)
+        with pytest.raises(Unavailable):
+            await unwritten
+        caller = keyring.authenticate(key)
+        assert not isinstance(caller, Refusal) and caller.valid()
+        assert [r.key_id for r in keyring.list_keys(None)] == [record.key_id]
+        assert [str(p) for p in keyring.get_acl(None, record.key_id)[1]] == ["produce:*"]
+        assert keyring.authenticate(unwritten_key) is Refusal.UNKNOWN
+        store.failing = False
+        await keyring.revoke(None, record.key_id)
+        assert keyring.authenticate(key) is Refusal.UNKNOWN
+        assert caller.key_lost().done() and not caller.valid()
+        assert keyring.list_keys(None) == []
 
     asyncio.run(scenario())
 

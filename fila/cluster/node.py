@@ -72,7 +72,6 @@ class ClusterNode:
         self.config = SharedConfig(self._etcd, self.layout, self.mirror, broker.admin)
         store = EtcdKeyStore(self._etcd, self.layout, self.mirror)
         self.keyring = Keyring(store, SystemClock(), config.auth.bootstrap_apikey)
-        store.bind(self.keyring)
         key_mirror = KeyMirror(self.keyring)
         self.peers = Peers(self.node_id, peer_credentials(config))
         self.router = Router(

@@ -9,12 +9,12 @@ node, so etcd keeps them and each node mirrors them (`fila.cluster.mirror`):
   throttle buckets follow; a bucket is kept by each queue's owner, so a throttle key
   used by queues on several nodes is enforced per node (documented).
 - API keys and ACLs: the `Keyring` works as on a single node, with `EtcdKeyStore`
-  as its store (the `KeyStore` interface exists for this). A change is applied in
-  memory, written to etcd, and answered once etcd has it; the other nodes apply it
-  from their watch (`KeyMirror`). If the etcd write fails the change is undone here
-  the safe way: a new key is forgotten, an ACL becomes empty, a revoked key stays
-  revoked. The caller gets UNAVAILABLE and can retry; what etcd holds stays the
-  truth and comes back through the watch.
+  as its store (the `KeyStore` interface exists for this). A change is written to
+  etcd, applied in memory once etcd has it, and then answered; the other nodes apply
+  it from their watch (`KeyMirror`). If the etcd write fails nothing changes here:
+  the caller gets UNAVAILABLE and can retry, through this node or another. (A write
+  that reached etcd though its answer did not comes back through the watch: what
+  etcd holds stays the truth.)
 
 A presented key this node has not seen yet (created through another node a moment
 ago) is looked up by its digest (`find_key`) before the call is refused, so a key
@@ -140,11 +140,6 @@ class EtcdKeyStore:
         self._etcd = etcd
         self._layout = layout
         self._mirror = mirror
-        self._keyring: Keyring | None = None
-
-    def bind(self, keyring: Keyring) -> None:
-        """The keyring this store undoes failed writes in."""
-        self._keyring = keyring
 
     def load(self) -> StoredKeys:
         return StoredKeys([], {})  # keys arrive through the mirror
@@ -161,28 +156,20 @@ class EtcdKeyStore:
     async def _save_key(self, record: ApiKeyRecord) -> None:
         key = self._layout.api_key(record.key_id)
         value = record.encode()
-        try:
-            revision = await self._etcd.put_many(
-                {key: value, self._layout.digest(record.digest): record.key_id.encode()}
-            )
-        except BaseException:
-            self._bound().mirror_remove(record.key_id)
-            raise
+        revision = await self._etcd.put_many(
+            {key: value, self._layout.digest(record.digest): record.key_id.encode()}
+        )
         self._mirror.apply(key, value, revision)
 
     async def _save_acl(self, key_id: str, permissions: tuple[Permission, ...]) -> None:
         key = self._layout.acl(key_id)
-        try:
-            if permissions:
-                value = encode_acl(permissions)
-                revision = await self._etcd.put(key, value)
-                self._mirror.apply(key, value, revision)
-            else:
-                revision = await self._etcd.delete(key)
-                self._mirror.apply(key, None, revision)
-        except BaseException:
-            self._bound().mirror_acl(key_id, ())
-            raise
+        if permissions:
+            value = encode_acl(permissions)
+            revision = await self._etcd.put(key, value)
+            self._mirror.apply(key, value, revision)
+        else:
+            revision = await self._etcd.delete(key)
+            self._mirror.apply(key, None, revision)
 
     async def _delete_key(self, key_id: str) -> None:
         key = self._layout.api_key(key_id)
@@ -196,10 +183,6 @@ class EtcdKeyStore:
         revision = await self._etcd.delete(*doomed)
         for gone in doomed[:2]:
             self._mirror.apply(gone, None, revision)
-
-    def _bound(self) -> Keyring:
-        assert self._keyring is not None, "EtcdKeyStore.bind(keyring) first"
-        return self._keyring
 
 
 async def find_key(etcd: Etcd, layout: Layout, mirror: Mirror, presented: str) -> None:

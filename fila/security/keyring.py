@@ -2,9 +2,11 @@
 
 `Keyring` answers two questions on every authenticated call (which key is this,
 and may it do that?) and carries out key management. Its state lives only here,
-changed only by its methods on the event loop; each change is applied in memory
-at once (a revoked key stops working before the answer leaves) and handed to the
-`KeyStore`, whose future the RPC awaits before answering.
+changed only by its methods on the event loop. A change is checked at once, handed to
+the `KeyStore`, and applied in memory when the store has it, in the awaitable the RPC
+awaits before answering: a revoked key stops working before the answer leaves, and a
+write that fails (a disk error; etcd away, in cluster mode) changes nothing, so the
+caller can retry it here and this node still agrees with what is stored.
 
 Lookup is by SHA-256 digest, so a presented key is hashed once and found with one
 dict lookup, whatever the number of keys; the stored digest is then compared with
@@ -189,30 +191,35 @@ class Keyring:
             expires_at_ms=expires_at_ms,
             is_superadmin=is_superadmin,
         )
-        self._add(_KeyState(record, ()))
+        return record, plaintext, self._create(record, caller)
+
+    async def _create(self, record: ApiKeyRecord, caller: Caller | None) -> None:
+        await self._store.save_key(record)
+        self.mirror_key(record, ())  # (in cluster mode the store's mirror may be first)
         log.info(
             "api key created",
             extra={
-                "key_id": key_id,
-                "key_name": name,
-                "superadmin": is_superadmin,
-                "expires_at_ms": expires_at_ms,
+                "key_id": record.key_id,
+                "key_name": record.name,
+                "superadmin": record.is_superadmin,
+                "expires_at_ms": record.expires_at_ms,
                 "by": _who(caller),
             },
         )
-        return record, plaintext, self._store.save_key(record)
 
     def revoke(self, caller: Caller | None, key_id: str) -> Awaitable[None]:
         _require_superadmin(caller, "revoke API keys")
         state = self._existing(key_id)
-        del self._by_id[key_id]
-        del self._by_digest[state.record.digest]
-        self._end(state, Unauthenticated("API key revoked"))
+        return self._revoke(state, caller)
+
+    async def _revoke(self, state: _KeyState, caller: Caller | None) -> None:
+        key_id = state.record.key_id
+        await self._store.delete_key(key_id)
+        self.mirror_remove(key_id)
         log.info(
             "api key revoked",
             extra={"key_id": key_id, "key_name": state.record.name, "by": _who(caller)},
         )
-        return self._store.delete_key(key_id)
 
     def list_keys(self, caller: Caller | None) -> list[ApiKeyRecord]:
         _require_superadmin(caller, "list API keys")
@@ -230,7 +237,7 @@ class Keyring:
                 f"{caller.describe()} may not set ACLs: it holds no admin permission to delegate"
             )
         if caller is not None and not caller.is_superadmin:
-            state = self._managed(caller, key_id, "set the ACL of")
+            self._managed(caller, key_id, "set the ACL of")
             domain = caller.admin_patterns()
             for permission in permissions:
                 if not may_delegate(domain, permission):
@@ -239,8 +246,14 @@ class Keyring:
                         f"its admin patterns ({_patterns(domain)})"
                     )
         else:
-            state = self._existing(key_id)
-        state.permissions = permissions
+            self._existing(key_id)
+        return self._set_acl(key_id, permissions, caller)
+
+    async def _set_acl(
+        self, key_id: str, permissions: tuple[Permission, ...], caller: Caller | None
+    ) -> None:
+        await self._store.save_acl(key_id, permissions)
+        self.mirror_acl(key_id, permissions)
         log.info(
             "acl set",
             extra={
@@ -249,7 +262,6 @@ class Keyring:
                 "by": _who(caller),
             },
         )
-        return self._store.save_acl(key_id, permissions)
 
     def get_acl(
         self, caller: Caller | None, key_id: str
@@ -261,8 +273,9 @@ class Keyring:
             state = self._existing(key_id)
         return state.record, state.permissions
 
-    # Changes made through other nodes (cluster mode: `fila.cluster.shared` mirrors the
-    # keys in etcd here). Idempotent: a node also sees its own changes come back.
+    # Changes as stored: this node's own, once written, and (cluster mode:
+    # `fila.cluster.shared` mirrors the keys in etcd here) other nodes'. Idempotent: a
+    # node also sees its own changes come back.
 
     def mirror_key(self, record: ApiKeyRecord, permissions: tuple[Permission, ...]) -> None:
         """A key as etcd has it: added with `permissions` if new; a key already here
@@ -276,8 +289,8 @@ class Keyring:
             state.permissions = permissions
 
     def mirror_remove(self, key_id: str) -> None:
-        """A key revoked through another node: it stops working here and its open
-        streams end, as after a local revocation."""
+        """A key revoked (here, or through another node): it stops working and its
+        open streams end."""
         state = self._by_id.pop(key_id, None)
         if state is None:
             return
