@@ -25,6 +25,7 @@ import grpc.aio
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
 from etcd3aio.kv import KVService
 
+from fila.cluster.reconnect import RECONNECT_BACKOFF
 from fila.core.errors import Unavailable
 
 log = logging.getLogger("fila.cluster")
@@ -90,6 +91,10 @@ class Etcd:
             watch_reconnect_backoff_seconds=0.1,
             watch_max_reconnect_backoff_seconds=WATCH_MAX_BACKOFF_S,
         )
+        # etcd3aio takes no channel options; its ConnectionManager builds the channel
+        # from this list in connect(). Without these the channel waits up to 120 s
+        # between attempts after a long etcd outage, and the node with it.
+        self._client._manager.grpc_options.extend(RECONNECT_BACKOFF)
 
     @property
     def endpoints(self) -> list[str]:

@@ -19,7 +19,7 @@ deadline. gRPC ends the calls of a closed channel with a bare `asyncio.Cancelled
 `cut_off` tells that one apart from a cancellation of the caller's own task (the
 client went away, the server stops), which must go on as a cancellation.
 
-Channels reconnect quickly (100-500 ms backoff) because a restarted owner should be
+Channels reconnect quickly (`fila.cluster.reconnect`) because a restarted owner should be
 reachable as soon as it serves; a node that comes back at a new address or with a new
 lease gets a fresh channel.
 """
@@ -36,6 +36,7 @@ import grpc.aio
 
 from fila.cluster.errors import RemoteError
 from fila.cluster.layout import NodeRecord
+from fila.cluster.reconnect import RECONNECT_BACKOFF
 from fila.core.errors import BrokerError
 from fila.wire import ERROR_KIND_METADATA_KEY
 
@@ -48,9 +49,7 @@ PASSED_ON: Final = frozenset({"authorization", "traceparent", "tracestate"})
 CHANNEL_OPTIONS: Final = (
     ("grpc.max_receive_message_length", -1),
     ("grpc.max_send_message_length", -1),
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 500),
+    *RECONNECT_BACKOFF,
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_timeout_ms", 5_000),
 )
