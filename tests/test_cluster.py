@@ -34,7 +34,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import grpc
 import pytest
@@ -780,6 +780,31 @@ def test_the_etcd_channel_reconnects_at_the_peer_channels_pace(
         {k: peers[k] for k in backoff}
     ]
     assert peers["grpc.max_reconnect_backoff_ms"] <= 500
+
+
+def test_a_node_without_its_lease_serves_no_queue_even_one_etcd_does_not_place() -> None:
+    """A queue with no placement in this node's view (etcd does not know it, or the
+    view is stale: a replacement with this node's id released it) is served here only
+    while this node holds its lease; without it the node is fenced, as for its own."""
+    from fila.cluster.errors import Fenced
+    from fila.cluster.routing import LOCAL, Router
+
+    class Lease:
+        serving = True
+
+        def fenced_error(self) -> Fenced:
+            return Fenced("no lease")
+
+    lease = Lease()
+    unused = cast(Any, None)  # decide() reads only the lease
+    router = Router(1, cast(Any, lease), unused, unused, unused, unused)
+    for owner in (None, 1):
+        for forwarded in (False, True):
+            lease.serving = True
+            assert router.decide("q", owner, forwarded=forwarded) is LOCAL
+            lease.serving = False
+            with pytest.raises(Fenced):
+                router.decide("q", owner, forwarded=forwarded)
 
 
 def _answers(fila: Fila, queue: str) -> bool:

@@ -7,9 +7,12 @@ how each RPC is routed.
                   for a queue etcd does not know (or a malformed name), so that the
                   local broker gives exactly the single-node answer (NOT_FOUND,
                   INVALID_ARGUMENT) and ACL checks keep their single-node order;
+                  but only while this node holds its lease;
     NodeRecord    the live owner: forward to it (or, for a consume, redirect);
 
-or raises: `Fenced` (this node owns it but lost its lease), `OwnerDown` (the owner
+or raises: `Fenced` (this node would serve the call but has no lease: it serves
+nothing, SPEC 9, whatever its view of etcd says, which may be stale: while it had no
+lease a replacement with its id may have released its queues), `OwnerDown` (the owner
 is not a live member), `NotOwner` (a forwarded call reached a node that does not own
 the queue: answered, never forwarded twice). A queue the mirror does not know is
 looked up in etcd first (`Mirror.refresh`), so a queue created through another node
@@ -72,9 +75,7 @@ class Router:
         return self.decide(queue, owner, forwarded=forwarded)
 
     def decide(self, queue: str, owner: int | None, *, forwarded: bool) -> Target:
-        if owner is None:
-            return LOCAL
-        if owner == self.node_id:
+        if owner is None or owner == self.node_id:
             if not self._lease.serving:
                 raise self._lease.fenced_error()
             return LOCAL
