@@ -38,6 +38,7 @@ from fila.core.errors import BrokerError, QueueAlreadyExists, QueueNotFound
 from fila.core.queue import DLQ_SUFFIX, validate_queue_name
 from fila.server import access
 from fila.server.handlers import Handler, behaviour_of, rebuild
+from fila.server.readers import StreamReaders
 from fila.server.rpc import BadRequest
 from fila.server.status import abort, batch_error
 from fila.v1 import admin_pb2, service_pb2
@@ -83,6 +84,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         mirror: Mirror,
         layout: Layout,
         broker: Broker,
+        readers: StreamReaders | None = None,
     ) -> None:
         self._router = router
         self._node_id = router.node_id
@@ -94,6 +96,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self._mirror = mirror
         self._layout = layout
         self._broker = broker
+        self._readers = readers
         self._wrapped: dict[str, tuple[Handler, Handler]] = {}
 
     async def intercept_service(
@@ -248,7 +251,9 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         max_batch = self._broker.settings.max_batch_messages
 
         async def call(requests: AsyncIterator[Any], context: Context) -> None:
-            splitter = StreamSplitter(self._router, self._peers, inner, context, max_batch)
+            splitter = StreamSplitter(
+                self._router, self._peers, inner, context, max_batch, self._readers
+            )
             try:
                 await splitter.run(requests)
             except BrokerError as exc:

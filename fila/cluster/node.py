@@ -40,6 +40,7 @@ from fila.config import Config
 from fila.core.broker import Broker
 from fila.core.clock import SystemClock
 from fila.security.keyring import Keyring
+from fila.server.readers import StreamReaders
 from fila.storage import keys
 from fila.storage.backend import Storage
 from fila.storage.committer import Committer
@@ -117,7 +118,11 @@ class ClusterNode:
             self._revision,
         )
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:  # type: ignore[type-arg]
+    def interceptors(
+        self, readers: StreamReaders | None = None
+    ) -> list[grpc.aio.ServerInterceptor]:  # type: ignore[type-arg]
+        """`readers`: where producers' StreamEnqueue calls wait for requests, so that
+        the shutdown can end them."""
         return [
             Edge(
                 router=self.router,
@@ -129,6 +134,7 @@ class ClusterNode:
                 mirror=self.mirror,
                 layout=self.layout,
                 broker=self._broker,
+                readers=readers,
             )
         ]
 

@@ -33,8 +33,9 @@ from fila.cluster.errors import OwnerDown
 from fila.cluster.layout import NodeRecord
 from fila.cluster.peers import Link, Peers, cut_off, is_forwarded, translate
 from fila.cluster.routing import LOCAL, Router, Target
-from fila.core.errors import BrokerError, InvalidArgument
+from fila.core.errors import BrokerError, InvalidArgument, Unavailable
 from fila.server import access, rpc
+from fila.server.readers import StreamReaders
 from fila.server.rpc import BadRequest
 from fila.server.status import batch_error
 from fila.v1 import service_pb2
@@ -112,8 +113,10 @@ class StreamSplitter:
         inner: Inner,
         context: Context,
         max_batch: int,
+        readers: StreamReaders | None = None,
     ) -> None:
         self._router = router
+        self._readers = readers
         self._peers = peers
         self._inner = inner
         self._context = context
@@ -130,17 +133,29 @@ class StreamSplitter:
     async def run(self, requests: AsyncIterator[Any]) -> None:
         self._forwarded = is_forwarded(self._context)
         writer = asyncio.create_task(self._write_answers())
+        stopping = False
         try:
-            async for request in requests:
+            iterator = aiter(requests)
+            while not writer.done():
+                try:
+                    with self._readers.reading() if self._readers else contextlib.nullcontext():
+                        request = await anext(iterator)
+                except StopAsyncIteration:
+                    break
+                except asyncio.CancelledError:
+                    if self._readers is None or not self._readers.interrupted():
+                        raise
+                    stopping = True  # the broker stops: answer what was taken, then end
+                    break
                 if isinstance(request, BadRequest):
                     await rpc.refuse(request, "StreamEnqueue", self._context)
                 access.require_key()
                 await self._take(request)
-                if writer.done():
-                    break
             self._pending_writes.put_nowait(None)
             await self._finish_parts()
             await writer
+            if stopping:
+                raise Unavailable("broker is shutting down")
         finally:
             for task in self._tasks(writer):
                 task.cancel()

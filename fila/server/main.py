@@ -210,17 +210,16 @@ async def serve(config: Config) -> ExitCode:
         storage.close()
         raise
 
+    # In cluster mode the edge's splitter reads each StreamEnqueue, not the service.
+    stream_readers = StreamReaders()
     # tracing first, so refused calls are traced too
     interceptors = list(telemetry.interceptors) if telemetry is not None else []
     interceptors += auth_interceptors(keyring, cluster.find_key if cluster else None)
     if cluster is not None:
-        interceptors += cluster.interceptors()
+        interceptors += cluster.interceptors(stream_readers)
     server = grpc.aio.server(
         options=server_options(config, max_connections), interceptors=interceptors
     )
-    # In cluster mode the edge's splitter reads each StreamEnqueue, not the service:
-    # those streams end with the grace period.
-    stream_readers = StreamReaders()
     server.add_generic_rpc_handlers(
         (
             service.FilaService(broker, None if cluster else stream_readers).generic_handler(),
