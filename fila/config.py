@@ -328,7 +328,8 @@ def _check_cluster(config: Config, source: str) -> None:
     for endpoint in cluster.etcd_endpoints:
         if not _is_host_port(endpoint):
             raise ConfigError(
-                f'{source}: "cluster.etcd_endpoints" entries are host:port, got "{endpoint[:60]}"'
+                f'{source}: "cluster.etcd_endpoints" entries are host:port (no scheme such as '
+                f'http://), got "{endpoint[:60]}"'
             )
     prefix = cluster.etcd_prefix
     if not prefix.startswith("/") or prefix.endswith("/") or len(prefix) < 2:
@@ -339,8 +340,9 @@ def _check_cluster(config: Config, source: str) -> None:
 
 
 def _is_host_port(text: str) -> bool:
+    """host:port, the host a name or an address; a URL ("http://h:2379") is not one."""
     host, sep, port = text.rpartition(":")
-    return bool(sep and host and is_port(port))
+    return bool(sep and host and "/" not in host and is_port(port))
 
 
 def _find(cli_path: str | None, env: Mapping[str, str]) -> Path | None:

@@ -782,6 +782,52 @@ def test_the_etcd_channel_reconnects_at_the_peer_channels_pace(
     assert peers["grpc.max_reconnect_backoff_ms"] <= 500
 
 
+def _loopback_name() -> str | None:
+    """This host's name, if it resolves to a loopback IPv4 address (where the tests'
+    etcd listens), else None."""
+    name = socket.gethostname()
+    try:
+        found = socket.getaddrinfo(name, None, socket.AF_INET)
+    except OSError:
+        return None
+    return name if found and all(info[4][0].startswith("127.") for info in found) else None
+
+
+def test_etcd_endpoints_become_a_grpc_target() -> None:
+    """etcd3aio's own `ipv4:` target takes IPv4 literals only; host names failed every
+    call ("target uri is not valid") until the node gave up."""
+    from fila.cluster.etcd import EtcdUnavailable, grpc_target
+
+    async def scenario() -> None:
+        assert await grpc_target(["10.0.0.1:2379", "localhost:2380"]) == (
+            "ipv4:10.0.0.1:2379,127.0.0.1:2380"
+        )
+        assert await grpc_target(["etcd-0.etcd:2379"]) == "dns:///etcd-0.etcd:2379"
+        with pytest.raises(EtcdUnavailable, match=r"etcd\.fila-test\.invalid:2379 does not"):
+            await grpc_target(["127.0.0.1:2379", "etcd.fila-test.invalid:2379"])
+        name = _loopback_name()
+        if name is not None:
+            assert await grpc_target([f"{name}:1", "127.0.0.1:2"]) == "ipv4:127.0.0.1:1,127.0.0.1:2"
+
+    asyncio.run(scenario())
+
+
+def test_a_node_reaches_etcd_by_host_name(tmp_path: Path) -> None:
+    """Endpoints are host:port, and a host may be a name (a DNS name for an etcd
+    member, as in most deployments): the node starts and serves."""
+    name = _loopback_name()
+    if name is None:
+        pytest.skip("this host's name does not resolve to a loopback address")
+    with cluster(tmp_path, 0) as made:
+        port = made.etcd.endpoints[0].rpartition(":")[2]
+        made.add(1, endpoints=[f"{name}:{port}"])
+        made.add(2, endpoints=[f"{name}:{port}", f"127.0.0.1:{port}"])
+        fila = made.fila(2)
+        fila.create_queue("named")
+        fila.enqueue("named", b"m")
+        assert made.fila(1).stats("named").depth == 1
+
+
 def test_a_node_without_its_lease_serves_no_queue_even_one_etcd_does_not_place() -> None:
     """A queue with no placement in this node's view (etcd does not know it, or the
     view is stale: a replacement with this node's id released it) is served here only

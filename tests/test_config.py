@@ -316,6 +316,15 @@ def test_cluster_env_overrides_are_typed(no_system_config: Path) -> None:
             "entries are host:port",
         ),
         (
+            '[cluster]\nnode_id = 1\nadvertise_addr = "a:1"\n'
+            'etcd_endpoints = ["http://127.0.0.1:2379"]',
+            "no scheme such as http://",
+        ),
+        (
+            '[cluster]\nnode_id = 1\nadvertise_addr = "http://a:1"\netcd_endpoints = ["e:1"]',
+            'needs "cluster.advertise_addr"',
+        ),
+        (
             '[cluster]\nnode_id = 1\nadvertise_addr = "a:\uff15\uff15"\netcd_endpoints = ["e:1"]',
             'needs "cluster.advertise_addr"',
         ),

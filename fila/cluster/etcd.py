@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
+import socket
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -39,6 +41,38 @@ _DELETE: Final = 1  # mvccpb.Event.EventType.DELETE
 
 class EtcdUnavailable(Unavailable):
     """etcd did not answer (unreachable, no quorum, or too slow)."""
+
+
+def _is_ipv4(host: str) -> bool:
+    try:
+        ipaddress.IPv4Address(host)
+    except ValueError:
+        return False
+    return True
+
+
+async def grpc_target(endpoints: Sequence[str]) -> str:
+    """The gRPC target for `endpoints` (host:port each). etcd3aio always builds an
+    `ipv4:` target, which takes IPv4 literals only: a host name failed every call
+    ("target uri is not valid") until the node gave up. So: IPv4 literals (and
+    localhost) stay a round-robin `ipv4:` list; one host name becomes a `dns:` target,
+    which gRPC resolves again when it reconnects (an etcd member that moved); several
+    endpoints with names among them are resolved here, once, to their IPv4 addresses."""
+    split = (endpoint.rpartition(":") for endpoint in endpoints)
+    pairs = [("127.0.0.1" if host == "localhost" else host, port) for host, _, port in split]
+    if all(_is_ipv4(host) for host, _ in pairs):
+        return "ipv4:" + ",".join(f"{host}:{port}" for host, port in pairs)
+    if len(endpoints) == 1:
+        return f"dns:///{endpoints[0]}"
+    loop = asyncio.get_running_loop()
+    addresses: list[str] = []
+    for host, port in pairs:
+        try:
+            found = await loop.getaddrinfo(host, int(port), family=socket.AF_INET)
+        except OSError as exc:
+            raise EtcdUnavailable(f"etcd endpoint {host}:{port} does not resolve: {exc}") from None
+        addresses += [f"{info[4][0]}:{port}" for info in found]
+    return "ipv4:" + ",".join(dict.fromkeys(addresses))
 
 
 class WatchLost(Exception):
@@ -101,6 +135,9 @@ class Etcd:
         return self._endpoints
 
     async def open(self) -> None:
+        """Connects (see `grpc_target` for how the endpoints are read); raises
+        `EtcdUnavailable` when a host name among several does not resolve."""
+        self._client._manager.target = await grpc_target(self._endpoints)
         await self._client.connect()
 
     async def close(self) -> None:
