@@ -812,6 +812,20 @@ def test_etcd_endpoints_become_a_grpc_target() -> None:
     asyncio.run(scenario())
 
 
+def test_a_queue_created_while_the_chosen_node_is_dead_goes_to_a_live_one(
+    tmp_path: Path,
+) -> None:
+    """Node 1 dies (kill -9) and placement would choose it until etcd counts it down
+    (its lease TTL): a create in that window answered 'queue x is on node 1, which is
+    down' for a queue that did not exist. It is placed on a live node instead."""
+    with cluster(tmp_path, 2) as made:
+        made.node(1).kill()  # both own no queue: placement would choose node 1
+        name = unique("placed")
+        made.fila(2).create_queue(name)
+        assert made.leaders(2)[name] == 2
+        made.fila(2).enqueue(name, b"m")
+
+
 def test_a_node_reaches_etcd_by_host_name(tmp_path: Path) -> None:
     """Endpoints are host:port, and a host may be a name (a DNS name for an etcd
     member, as in most deployments): the node starts and serves."""

@@ -300,24 +300,32 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             if isinstance(request, BadRequest):
                 return await inner(request, context)
             try:
-                if not is_forwarded(context):
-                    owner = self._place(request.name)
-                    if owner is not None:
+                down: set[int] = set()
+                while not is_forwarded(context):
+                    owner = self._place(request.name, down)
+                    if owner is None:
+                        break
+                    try:
                         return await self._forward(owner, method, request, context, request.name)
+                    except OwnerDown:
+                        # Chosen while etcd still counts it live (it died within its
+                        # lease TTL): the queue does not exist, so place it elsewhere.
+                        down.add(owner.node_id)
                 return await self._create_here(request, context, inner)
             except BrokerError as exc:
                 await abort(context, exc)
 
         return call
 
-    def _place(self, name: str) -> NodeRecord | None:
-        """The node to create `name` on (None: this one); SPEC 9's placement rule."""
+    def _place(self, name: str, down: set[int]) -> NodeRecord | None:
+        """The node to create `name` on (None: this one), SPEC 9's placement rule among
+        the live nodes not found `down`."""
         validate_queue_name(name)
         if name.endswith(DLQ_SUFFIX):
             return None  # refused with its single-node reason by the local handler
         if self._placements.owner(name) is not None:
             raise QueueAlreadyExists(name)
-        live = {node.node_id: node for node in self._nodes.live()}
+        live = {node.node_id: node for node in self._nodes.live() if node.node_id not in down}
         if self._lease.serving:  # (even before this node's own join reached its mirror)
             live.setdefault(self._node_id, NodeRecord(self._node_id, "", 0))
         else:  # a fenced node cannot create: leave it to a live one
