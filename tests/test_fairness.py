@@ -241,7 +241,7 @@ def test_fifo_within_a_key_survives_restarts_after_a_burst(server: ServerProcess
     burst = 4_000
     with connect(server.addr) as f:
         f.create_queue("burst")
-    burst_ids = asyncio.run(_enqueue_all(server.addr, "burst", [({}, burst)]))
+    burst_ids = asyncio.run(_enqueue_all(server.addr, "burst", [({}, burst)], per_call=100))
     server.restart()
     with connect(server.addr) as f:
         late = f.enqueue("burst", b"late")
