@@ -15,6 +15,7 @@ import random
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from rocksdict import Rdict
@@ -280,3 +281,96 @@ def test_repair_refuses_a_data_directory_a_running_broker_holds(
     assert not list(server.data_dir.glob("db.*"))  # nothing kept aside, nothing changed
     with connect(server.addr) as fila:
         fila.create_queue("still-serving")
+
+
+def _files(db: Path) -> dict[str, bytes]:
+    """The database's files and contents, RocksDB's info logs aside."""
+    return {
+        p.name: p.read_bytes() for p in db.iterdir() if p.is_file() and not p.name.startswith("LOG")
+    }
+
+
+def test_a_missing_current_refuses_changes_nothing_and_repairs_whole(
+    server_factory: ServerFactory,
+) -> None:
+    """Without CURRENT (which names the live MANIFEST) RocksDB took the directory for a
+    new database: the refusal wrote an empty one over it, the next start served
+    nothing and deleted every table, and `--repair` kept nothing."""
+    server = server_factory(persist_mode="sync")
+    _fill(server, {"orders": 200})
+    server.stop()
+    db = server.data_dir / "db"
+    (db / "CURRENT").unlink()
+    before = _files(db)
+
+    line = _one_line_refusal(*_run_server(server))
+    assert "CURRENT" in line
+    _one_line_refusal(*_run_server(server))  # twice: the first refusal changed nothing
+    assert _files(db) == before
+
+    code, output = _run_repair(server)
+    assert code == 0, output
+    assert _counts(server.data_dir) == (2, 200)
+
+
+def test_current_naming_a_missing_manifest_refuses_as_damage(
+    server_factory: ServerFactory,
+) -> None:
+    """A CURRENT that names a MANIFEST that is not there (one flipped digit) exited 1,
+    "could not start", without pointing at `--repair`: a supervisor restarted it forever."""
+    server = server_factory(persist_mode="sync")
+    _fill(server, {"orders": 50})
+    server.stop()
+    current = server.data_dir / "db" / "CURRENT"
+    current.write_text(current.read_text().replace("MANIFEST-", "MANIFEST-9"))
+
+    line = _one_line_refusal(*_run_server(server))
+    assert "MANIFEST" in line
+
+    code, output = _run_repair(server)
+    assert code == 0, output
+    assert _counts(server.data_dir) == (2, 50)
+
+
+def test_a_table_that_does_not_open_is_refused_on_one_line_and_its_loss_reported(
+    server_factory: ServerFactory,
+) -> None:
+    """A truncated table: RocksDB's message spans two lines, so the refusal's line did
+    not name `--repair`; and RocksDB's repair, the fallback, drops such a table whole
+    without a word, which the report now says, naming the file."""
+    server = server_factory(persist_mode="sync")
+    _fill(server, {"orders": 300})
+    server.stop()
+    sst = Path(_sst(server))
+    sst.write_bytes(sst.read_bytes()[: sst.stat().st_size * 2 // 3])
+
+    _one_line_refusal(*_run_server(server))
+
+    code, output = _run_repair(server)
+    assert code == 0, output
+    assert f"could not read {sst.name}" in output, output
+    assert "1 unreadable file(s) left out" in output, output
+
+
+def test_a_second_repair_in_the_same_second_keeps_both_originals(
+    server_factory: ServerFactory,
+) -> None:
+    """The kept original's directory is named to the second: a second repair within it
+    failed (exit 4, "File exists") where a repair should always be harmless to repeat."""
+    server = server_factory(persist_mode="sync")
+    _fill(server, {"orders": 10})
+    server.stop()
+    rdconfig = server.data_dir / "db" / "rocksdict-config.json"
+    damaged = rdconfig.read_bytes()[:20]
+    rdconfig.write_bytes(damaged)
+    now = time.time()
+    taken = {time.strftime("%Y%m%dT%H%M%S", time.localtime(now + s)) for s in range(4)}
+    for stamp in taken:  # whatever second the repair runs in, its name is taken
+        (server.data_dir / f"db.damaged-{stamp}").mkdir()
+
+    code, output = _run_repair(server)
+    assert code == 0, output
+    (kept,) = set(server.data_dir.glob("db.damaged-*.1"))
+    # the open rewrites this file in place: a hard link would not have kept it
+    assert (kept / "rocksdict-config.json").read_bytes() == damaged
+    assert _counts(server.data_dir) == (2, 10)

@@ -424,10 +424,17 @@ def _repair(data_dir: Path) -> int:
         + (f", {skipped_bytes} unreadable WAL bytes skipped" if report.skipped_wal else "")
         + (f", {report.replayed_batches} WAL batches replayed" if report.replayed_batches else "")
         + (", database rebuilt by RocksDB first" if report.rebuilt_by_rocksdb else "")
+        + (f", {len(report.lost_files)} unreadable file(s) left out" if report.lost_files else "")
         + f"; the damaged original is kept at {report.kept_at}. Start the broker normally; "
         "messages of a queue whose record was lost come back when that queue is "
         "created again and the broker restarted."
     )
+    for name, size in report.lost_files:
+        print(
+            f"fila-server: RocksDB's repair could not read {name} ({size} bytes) and left it "
+            f"out (its original is in {report.kept_at}): its records are lost, and a message "
+            "whose ack was among them is delivered again"
+        )
     for start, end in report.damaged_regions:
         print(f"fila-server: skipped unreadable keys after {start or '(start)'} up to {end}")
     for piece in report.skipped_wal:

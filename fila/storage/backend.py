@@ -116,6 +116,13 @@ class RocksStorage:
         self.path = data_dir / "db"
         data_dir.mkdir(parents=True, exist_ok=True)
         self.direct_io = direct_io and supports_direct_io(data_dir)
+        if missing_current(self.path):
+            raise CorruptionError(
+                f"data in {self.path} is damaged: its CURRENT file, which names the live "
+                "MANIFEST, is missing. The broker refuses to start rather than begin an "
+                "empty database there (which would delete every table); see "
+                "`fila-server --repair` in docs/operations.md"
+            )
         try:
             self._db = Rdict(str(self.path), options=rocks_options(direct_io=self.direct_io))
         except Exception as exc:  # rocksdict raises plain Exception for every open failure
@@ -197,8 +204,9 @@ class RocksStorage:
             self._reaper.stop()
 
 
-def rocks_options(direct_io: bool = False) -> Options:
+def rocks_options(direct_io: bool = False, *, create: bool = True) -> Options:
     """The engine settings, in one place (see docs/operations.md for the reasons).
+    `create`: make a new database where there is none (never where one is damaged).
 
     - `paranoid_checks`: verify what RocksDB reads at open instead of trusting it.
     - WAL recovery refuses damage before the tail (see the module docstring).
@@ -229,7 +237,7 @@ def rocks_options(direct_io: bool = False) -> Options:
       (`storage.direct_io = false` trades back; docs/operations.md, "The disk").
     """
     options = Options(raw_mode=True)
-    options.create_if_missing(True)
+    options.create_if_missing(create)
     options.set_paranoid_checks(True)
     options.set_wal_recovery_mode(DBRecoveryMode.tolerate_corrupted_tail_records())
     options.set_max_background_jobs(2)
@@ -245,6 +253,18 @@ def rocks_options(direct_io: bool = False) -> Options:
     # descriptor the process has (see fila.server.limits).
     options.set_max_open_files(512)
     return options
+
+
+def missing_current(db_dir: Path) -> bool:
+    """Whether `db_dir` holds a database's files but not CURRENT. RocksDB would take
+    it for a new database, write an empty one over it, and delete every table as
+    obsolete at the next open."""
+    if not db_dir.is_dir() or (db_dir / "CURRENT").exists():
+        return False
+    return any(
+        path.name.startswith("MANIFEST-") or path.suffix in (".sst", ".log")
+        for path in db_dir.iterdir()
+    )
 
 
 def supports_direct_io(directory: Path) -> bool:
@@ -306,7 +326,9 @@ def _open_error(path: Path, exc: Exception) -> StorageError:
             f"data directory {path.parent} is in use by another fila-server "
             "(its LOCK file is held); stop that broker or choose another data_dir"
         )
-    if "Corruption" in text or "checksum" in text.lower():
+    text = " ".join(text.split())  # RocksDB's messages may span lines; ours is one
+    manifest_gone = "MANIFEST" in text and "No such file" in text  # CURRENT names it
+    if "Corruption" in text or "checksum" in text.lower() or manifest_gone:
         return CorruptionError(
             f"data in {path} is damaged: {text}. The broker refuses to start rather than "
             f"lose acknowledged messages; see `fila-server --repair` in docs/operations.md"

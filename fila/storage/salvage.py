@@ -65,6 +65,8 @@ class SalvageReport:
     skipped_wal: list[SkippedWal] = field(default_factory=list)
     replayed_batches: int = 0
     rebuilt_by_rocksdb: bool = False
+    # tables RocksDB's repair could not read and left out: (name, bytes)
+    lost_files: list[tuple[str, int]] = field(default_factory=list)
     kept_at: Path | None = None
     by_kind: dict[str, int] = field(default_factory=dict)
 
@@ -76,7 +78,7 @@ def salvage(data_dir: Path) -> SalvageReport:
     report = SalvageReport()
     db_dir = data_dir / "db"
     _check_not_in_use(db_dir)
-    kept = data_dir / f"db.damaged-{time.strftime('%Y%m%dT%H%M%S')}"
+    kept = _unused(data_dir / f"db.damaged-{time.strftime('%Y%m%dT%H%M%S')}")
     _keep_originals(db_dir, kept)
     tables_dir = data_dir / "db.replaying"
     target_dir = data_dir / "db.salvaged"
@@ -118,16 +120,33 @@ def _check_not_in_use(db_dir: Path) -> None:
         os.close(fd)  # releases the probe's lock
 
 
+def _unused(path: Path) -> Path:
+    """`path`, or `path` with the first free ".N" suffix (a second repair within the
+    same second)."""
+    candidate, number = path, 1
+    while candidate.exists():
+        candidate = path.with_name(f"{path.name}.{number}")
+        number += 1
+    return candidate
+
+
+# Files an open rewrites in place (the others it only adds or deletes): a hard link
+# to them would not keep the damaged original.
+_REWRITTEN_IN_PLACE = frozenset({"rocksdict-config.json"})
+
+
 def _keep_originals(db_dir: Path, kept: Path) -> None:
     """Every file of the database as it is now, under `kept` (hard links; copies where
-    the filesystem has none)."""
+    the filesystem has none, or where the open rewrites the file in place)."""
     kept.mkdir()
     for source in db_dir.rglob("*"):
         destination = kept / source.relative_to(db_dir)
         if source.is_dir():
             destination.mkdir(exist_ok=True)
-            continue
-        _link_or_copy(source, destination)
+        elif source.name in _REWRITTEN_IN_PLACE:
+            shutil.copy2(source, destination)
+        else:
+            _link_or_copy(source, destination)
 
 
 def _open_damaged(db_dir: Path, tables_dir: Path, report: SalvageReport) -> Rdict:
@@ -135,7 +154,7 @@ def _open_damaged(db_dir: Path, tables_dir: Path, report: SalvageReport) -> Rdic
     the WAL replayed around damaged records; else after RocksDB's repair (a damaged
     MANIFEST or table that the open itself reads)."""
     try:
-        return Rdict(str(db_dir), options=rocks_options())
+        return Rdict(str(db_dir), options=rocks_options(create=False))
     except Exception:  # rocksdict raises plain Exception; damaged, so try harder
         pass
     tables_dir.mkdir()
@@ -143,11 +162,18 @@ def _open_damaged(db_dir: Path, tables_dir: Path, report: SalvageReport) -> Rdic
         if source.is_file() and not source.name.endswith(".log"):
             _link_or_copy(source, tables_dir / source.name)
     try:
-        tables = Rdict(str(tables_dir), options=rocks_options())
+        tables = Rdict(str(tables_dir), options=rocks_options(create=False))
     except Exception:
         Rdict.repair(str(db_dir), rocks_options())
         report.rebuilt_by_rocksdb = True
-        return Rdict(str(db_dir), options=rocks_options())
+        # RocksDB's repair moves a table it cannot read to lost/ whole, and says nothing
+        # (logs it turns into tables go there too: those are not lost).
+        report.lost_files = sorted(
+            (table.name, table.stat().st_size)
+            for table in tables_dir.glob("*.sst")
+            if not (db_dir / table.name).exists()
+        )
+        return Rdict(str(db_dir), options=rocks_options(create=False))
     try:
         _replay_wal(db_dir, tables, report)
     except BaseException:
