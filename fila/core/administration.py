@@ -71,11 +71,25 @@ class Administration:
         record, hooks, dlq_record = self._plan_create(
             name, on_enqueue, on_failure, visibility_timeout_ms
         )
-        for rec, rec_hooks in ((record, hooks), (dlq_record, None)):
-            self._add_queue(rec, rec_hooks)
-            self.broker.committer.put(keys.queue_key(rec.name), rec.encode())
+        committer = self.broker.committer
+        self._add_queue(record, hooks)
+        committer.put(keys.queue_key(name), record.encode())
+        orphan = self.broker.queues.get(dlq_record.name)
+        if orphan is None:
+            self._add_queue(dlq_record, None)
+        else:
+            # Its record takes the new queue's timeout, as a fresh DLQ would; its
+            # messages stay where they are. The queue's own orphaned messages come back
+            # at the next restart, when recovery finds their queue again.
+            orphan.record = dlq_record
+            log.warning(
+                "queue created again: its orphaned dead-letter queue was kept, with its "
+                "messages; restart the broker to bring back the queue's stored messages",
+                extra={"queue": name, "dlq": dlq_record.name, "dlq_depth": orphan.depth},
+            )
+        committer.put(keys.queue_key(dlq_record.name), dlq_record.encode())
         log.info("queue created", extra={"queue": name})
-        return self.broker.committer.flushed()
+        return committer.flushed()
 
     def check_create(
         self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
@@ -95,12 +109,19 @@ class Administration:
                 "dead-letter queues (creating a queue creates its own)"
             )
         dlq_name = name + DLQ_SUFFIX
-        if name in self.broker.queues:
+        queues = self.broker.queues
+        if name in queues:
             raise QueueAlreadyExists(name)
-        if dlq_name in self.broker.queues:
+        orphan = queues.get(dlq_name)
+        if orphan is not None and orphan.record.dlq_of != name:
             raise QueueAlreadyExists(dlq_name)
+        # An existing DLQ of `name` while `name` does not exist is an orphan: damage
+        # (a repair that lost the queue's record but kept its DLQ's) left it, since
+        # deleting a queue deletes its DLQ. Creating `name` adopts it, messages and
+        # all: that is the documented way back ("create the queue again and
+        # restart"), which refusing here would make impossible.
         limit = self.broker.settings.max_queues
-        if len(self.broker.queues) + 2 > 2 * limit:
+        if len(queues) + (1 if orphan is not None else 2) > 2 * limit:
             raise ResourceExhausted(
                 f"the broker holds {len(self.broker.queues) // 2} queues, the limit is {limit} "
                 "(server.max_queues)"
@@ -113,12 +134,15 @@ class Administration:
         now = self.broker.clock.now_ms()
         record = QueueRecord(name, on_enqueue, on_failure, timeout, "", now)
         hooks = self._make_hooks(record)
-        return record, hooks, QueueRecord(dlq_name, "", "", timeout, name, now)
+        dlq_created_ms = orphan.record.created_at_ms if orphan is not None else now
+        return record, hooks, QueueRecord(dlq_name, "", "", timeout, name, dlq_created_ms)
 
     def delete_queue(self, name: str) -> asyncio.Future[None]:
         self.broker.check_open()
         queue = self.broker.queue(name)
-        if queue.record.dlq_of:
+        # A DLQ goes with its queue; one whose queue is gone (an orphan left by
+        # damage, see `_plan_create`) has nothing to go with, so it may go alone.
+        if queue.record.dlq_of in self.broker.queues:
             raise InvalidArgument(
                 f'queue "{name}" is the dead-letter queue of "{queue.record.dlq_of}"; '
                 "delete that queue instead"

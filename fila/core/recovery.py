@@ -15,13 +15,17 @@ record that does not decode is corruption too: the broker then refuses to start
 and names what is damaged. A message whose queue does not exist is left where it
 is and reported, never deleted: no normal operation produces one (a queue's
 messages are deleted in the same atomic batch as the queue), so it means damage.
+A dead-letter queue whose queue does not exist is such damage too (a queue and its
+DLQ are created and deleted together): it is restored as the ordinary queue it is,
+with its messages, and reported; creating its queue again adopts it, and deleting
+it alone is allowed (see `Administration`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
@@ -43,6 +47,7 @@ class RecoveryReport:
     expired: int = 0
     delayed: int = 0
     orphans: int = 0
+    orphan_dlqs: list[str] = field(default_factory=list)
     stale_side_records: int = 0
 
 
@@ -62,6 +67,11 @@ def recover(broker: Broker) -> RecoveryReport:
             raise CorruptionError(f"queue record {raw_key[:64]!r} does not decode: {exc}") from None
         broker.admin.restore_queue(record)
         report.queues += 1
+    report.orphan_dlqs = [
+        q.name
+        for q in broker.queues.values()
+        if q.record.dlq_of and q.record.dlq_of not in broker.queues
+    ]
 
     leases = {
         keys.message_key_from_side_key(k): keys.decode_lease(v) for k, v in storage.scan(keys.LEASE)
@@ -132,5 +142,12 @@ def recover(broker: Broker) -> RecoveryReport:
             "stored messages name a queue that does not exist; they were left untouched "
             "(a sign of damage: see 'Damaged data' in docs/operations.md)",
             extra={"messages": report.orphans},
+        )
+    for name in report.orphan_dlqs:
+        parent = broker.queues[name].record.dlq_of
+        log.error(
+            "a dead-letter queue's queue does not exist (its record was lost: a sign of "
+            "damage); create that queue again to take the DLQ back, or delete the DLQ",
+            extra={"queue": name, "dlq_of": parent},
         )
     return report

@@ -1,0 +1,206 @@
+"""A dead-letter queue whose queue's record was lost (an orphan DLQ) can be taken back.
+
+`fila-server --repair` skips damaged blocks; when the block it skips holds the record
+of `orders` but not that of `orders.dlq`, the broker starts with the DLQ and without
+its queue, and the messages of `orders` are kept but unreachable. docs/operations.md
+says they come back when the queue is created again and the broker restarted, so
+creating `orders` must adopt the orphaned `orders.dlq` (its messages kept) instead of
+answering that `orders.dlq` already exists, and the orphan may also be deleted on its
+own. A DLQ whose queue is alive keeps the normal rules.
+
+The damage is written directly: the records exactly as recovery finds them after
+such a repair (the queue's record gone, everything else kept), first on in-memory
+storage through the core, then in a real data directory under a real fila-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import grpc
+import pytest
+from support import ServerFactory
+from support.core import CoreBroker, make_core
+from support.stubs import connect, status_of
+
+from fila.config import Config, parse_config
+from fila.core.broker import Broker, BrokerSettings
+from fila.core.errors import InvalidArgument, QueueAlreadyExists
+from fila.core.queue import QueueRecord
+from fila.core.recovery import RecoveryReport, recover
+from fila.storage import keys
+from fila.storage.backend import Batch, RocksStorage
+from fila.storage.committer import Committer
+
+TO_DLQ = 'function on_failure(m) return { action = "dlq" } end'
+
+
+def run(test: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(test())
+
+
+def _lose_record(core: CoreBroker, name: str) -> None:
+    """What a repair that skipped the block holding only `name`'s record leaves."""
+    batch = Batch()
+    batch.delete(keys.queue_key(name))
+    core.storage.write(batch)
+
+
+def _restart(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroker, RecoveryReport]:
+    """A new broker over the same storage and clock, rebuilt by recovery (a restart)."""
+    core.committer.flush_now()
+    committer = Committer(core.storage, "buffer", lambda exc: None)
+    broker = Broker(
+        core.storage,
+        committer,
+        BrokerSettings.from_config(config or Config()),
+        core.clock,
+        loop_driven_timers=False,
+    )
+    report = recover(broker)
+    return CoreBroker(broker, core.storage, core.clock, committer), report
+
+
+async def _orphaned(config: Config | None = None) -> tuple[CoreBroker, RecoveryReport]:
+    """A broker started on data where `orders` (3 messages) lost its record and
+    `orders.dlq` (1 dead-lettered message) kept its own."""
+    core = make_core()
+    await core.broker.admin.create_queue("orders", "", TO_DLQ, 1000)
+    (dead,) = await core.enqueue("orders")
+    consumer = core.broker.delivery.attach_consumer("orders")
+    await core.settle()
+    assert core.take(consumer) == [dead]
+    results, committed = core.broker.nack([("orders", dead, "boom")])
+    await committed
+    assert results == [None]
+    core.broker.delivery.detach_consumer(consumer)
+    await core.enqueue("orders", 3)
+    _lose_record(core, "orders")
+    return _restart(core, config)
+
+
+def _stored(core: CoreBroker, name: str) -> QueueRecord | None:
+    raw = core.storage.get(keys.queue_key(name))
+    return None if raw is None else QueueRecord.decode(raw)
+
+
+def test_creating_a_queue_again_adopts_its_orphaned_dlq_and_a_restart_brings_all_back(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        caplog.set_level(logging.ERROR, logger="fila.recovery")
+        core, report = await _orphaned()
+        # The orphan is served as the ordinary queue it is, and reported.
+        assert report.orphans == 3 and report.orphan_dlqs == ["orders.dlq"]
+        assert any("dead-letter queue's queue does not exist" in r.message for r in caplog.records)
+        assert [q.name for q in core.broker.admin.list_queues()] == ["orders.dlq"]
+        assert core.broker.admin.stats("orders.dlq").depth == 1
+
+        await core.broker.admin.create_queue("orders", "", TO_DLQ, 5000)
+        assert [q.name for q in core.broker.admin.list_queues()] == ["orders", "orders.dlq"]
+        dlq = core.broker.queues["orders.dlq"]
+        assert dlq.depth == 1, "the adopted DLQ lost its messages"
+        assert dlq.record.visibility_timeout_ms == 5000
+        assert _stored(core, "orders.dlq") == dlq.record
+        assert _stored(core, "orders") == core.broker.queues["orders"].record
+        # adopted: the DLQ of a live queue again, so it goes only with that queue
+        with pytest.raises(InvalidArgument, match="is the dead-letter queue of"):
+            core.broker.admin.delete_queue("orders.dlq")
+
+        core, report = _restart(core)
+        assert report.orphans == 0 and report.orphan_dlqs == []
+        assert core.broker.admin.stats("orders").depth == 3
+        assert core.broker.admin.stats("orders.dlq").depth == 1
+        # and a redrive moves the dead letter home
+        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
+        await committed
+        await core.settle()
+        assert redriven == 1 and core.broker.admin.stats("orders").depth == 4
+
+    run(scenario)
+
+
+def test_an_orphaned_dlq_may_be_deleted_on_its_own() -> None:
+    async def scenario() -> None:
+        core, _ = await _orphaned()
+        await core.broker.admin.delete_queue("orders.dlq")
+        await core.settle()
+        assert "orders.dlq" not in core.broker.queues
+        assert _stored(core, "orders.dlq") is None
+        stored = [m for m in core.storage.scan(keys.MESSAGE)]
+        assert len(stored) == 3, "deleting the orphan touched the queue's own messages"
+        await core.broker.admin.create_queue("orders", "", "", 1000)  # a fresh DLQ
+        assert core.broker.queues["orders.dlq"].depth == 0
+        core, report = _restart(core)
+        assert report.orphans == 0 and core.broker.admin.stats("orders").depth == 3
+
+    run(scenario)
+
+
+def test_adopting_an_orphaned_dlq_counts_one_queue_against_max_queues() -> None:
+    async def scenario() -> None:
+        core, _ = await _orphaned(parse_config("[server]\nmax_queues = 1\n", "test"))
+        await core.broker.admin.create_queue("orders", "", "", 1000)
+        assert sorted(core.broker.queues) == ["orders", "orders.dlq"]
+
+    run(scenario)
+
+
+def test_the_normal_rules_hold_for_a_dlq_with_a_live_queue_and_for_dlq_names() -> None:
+    async def scenario() -> None:
+        core = make_core(queues=["orders"])
+        with pytest.raises(InvalidArgument, match="reserved for dead-letter queues"):
+            core.broker.admin.create_queue("orders.dlq", "", "", 1000)
+        with pytest.raises(InvalidArgument, match="is the dead-letter queue of"):
+            core.broker.admin.delete_queue("orders.dlq")
+        with pytest.raises(QueueAlreadyExists):
+            core.broker.admin.create_queue("orders", "", "", 1000)
+        # a queue named like another's DLQ but not that queue's DLQ is not adopted
+        stray = QueueRecord("other.dlq", dlq_of="someone-else")
+        core.storage.write(_put(keys.queue_key(stray.name), stray.encode()))
+        core, _ = _restart(core)
+        with pytest.raises(QueueAlreadyExists, match=r'"other\.dlq"'):
+            core.broker.admin.create_queue("other", "", "", 1000)
+
+    run(scenario)
+
+
+def _put(key: bytes, value: bytes) -> Batch:
+    batch = Batch()
+    batch.put(key, value)
+    return batch
+
+
+def test_a_real_broker_takes_back_a_queue_whose_record_a_repair_lost(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory(persist_mode="sync")
+    with connect(server.addr) as fila:
+        fila.create_queue("orders", on_failure=TO_DLQ)
+        for i in range(5):
+            fila.enqueue("orders", b"m%d" % i)
+    server.stop()
+    storage = RocksStorage(server.data_dir)
+    try:
+        batch = Batch()
+        batch.delete(keys.queue_key("orders"))
+        storage.write(batch)
+    finally:
+        storage.close()
+
+    server.start()
+    assert "dead-letter queue's queue does not exist" in server.log_text()
+    with connect(server.addr) as fila:
+        assert fila.queue_names() == ["orders.dlq"]
+        assert fila.stats("orders.dlq").depth == 0
+        fila.create_queue("orders", on_failure=TO_DLQ)
+        with pytest.raises(grpc.RpcError) as refused:
+            fila.delete_queue("orders.dlq")
+        assert status_of(refused.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+    server.restart()
+    with connect(server.addr) as fila:
+        assert fila.queue_names() == ["orders", "orders.dlq"]
+        assert fila.stats("orders").depth == 5, "the queue's messages did not come back"
