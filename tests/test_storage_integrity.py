@@ -283,6 +283,13 @@ def test_repair_refuses_a_data_directory_a_running_broker_holds(
         fila.create_queue("still-serving")
 
 
+def _repair_keeps_all(server: ServerProcess, messages: int) -> None:
+    """`--repair` exits 0 and keeps the queue (and its DLQ) and all `messages`."""
+    code, output = _run_repair(server)
+    assert code == 0, output
+    assert _counts(server.data_dir) == (2, messages)
+
+
 def _files(db: Path) -> dict[str, bytes]:
     """The database's files and contents, RocksDB's info logs aside."""
     return {
@@ -308,9 +315,7 @@ def test_a_missing_current_refuses_changes_nothing_and_repairs_whole(
     _one_line_refusal(*_run_server(server))  # twice: the first refusal changed nothing
     assert _files(db) == before
 
-    code, output = _run_repair(server)
-    assert code == 0, output
-    assert _counts(server.data_dir) == (2, 200)
+    _repair_keeps_all(server, 200)
 
 
 def test_current_naming_a_missing_manifest_refuses_as_damage(
@@ -327,9 +332,7 @@ def test_current_naming_a_missing_manifest_refuses_as_damage(
     line = _one_line_refusal(*_run_server(server))
     assert "MANIFEST" in line
 
-    code, output = _run_repair(server)
-    assert code == 0, output
-    assert _counts(server.data_dir) == (2, 50)
+    _repair_keeps_all(server, 50)
 
 
 def test_a_table_that_does_not_open_is_refused_on_one_line_and_its_loss_reported(
@@ -368,9 +371,7 @@ def test_a_second_repair_in_the_same_second_keeps_both_originals(
     for stamp in taken:  # whatever second the repair runs in, its name is taken
         (server.data_dir / f"db.damaged-{stamp}").mkdir()
 
-    code, output = _run_repair(server)
-    assert code == 0, output
+    _repair_keeps_all(server, 10)
     (kept,) = set(server.data_dir.glob("db.damaged-*.1"))
     # the open rewrites this file in place: a hard link would not have kept it
     assert (kept / "rocksdict-config.json").read_bytes() == damaged
-    assert _counts(server.data_dir) == (2, 10)
