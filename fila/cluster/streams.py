@@ -268,6 +268,9 @@ class StreamSplitter:
         part.sequence_number = remote.sequence
         queues = [m.queue for m in part.messages]
         remote.parts[remote.sequence] = (pending, indexes, queues)
+        if remote.link.cut:  # a record read before the node left or came back: no write
+            self._break(remote, OwnerDown("-", node.node_id))
+            return
         try:
             await remote.call.write(part.SerializeToString())
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:

@@ -49,6 +49,7 @@ SINGLE_CALLS = 400  # one in flight: per-call latency through each path
 QUEUE = "cluster"
 LEASE_TTL_MS = 5000  # the default: recovery does not depend on it (the lease is revoked)
 RECOVERY_DEADLINE_S = 60.0
+ATTEMPT_S = 5.0
 
 FORWARD_OUTPUTS = (
     "cluster_enqueue_owner_8c",
@@ -190,10 +191,16 @@ async def _recovery(ctx: Context) -> list[Result]:
 
 
 async def _first_success(client: AsyncClient, since: float) -> str:
-    """Enqueues through a non-owner until one succeeds; the answered id."""
-    while time.perf_counter() - since < RECOVERY_DEADLINE_S:
+    """Enqueues through a non-owner until one succeeds; the answered id. An attempt
+    not answered within ATTEMPT_S is given up and made again (its time counts), so
+    one lost answer cannot stall the run."""
+    while (left := RECOVERY_DEADLINE_S - (time.perf_counter() - since)) > 0:
         try:
-            return await client.enqueue(QUEUE, None, PAYLOAD_1KB)
+            return await asyncio.wait_for(
+                client.enqueue(QUEUE, None, PAYLOAD_1KB), min(ATTEMPT_S, left)
+            )
+        except TimeoutError:
+            pass  # not answered in time: give this attempt up and make another
         except FilaError:
             await asyncio.sleep(0.005)  # the owner is still away: try again shortly
     raise TimeoutError(f"the owner's queue did not answer within {RECOVERY_DEADLINE_S}s")
