@@ -750,6 +750,36 @@ def test_only_the_cancellation_of_a_cut_channel_reads_as_the_node_down() -> None
     assert asyncio.run(scenario()) == (False, True, False)
 
 
+def test_a_part_for_a_stream_that_ended_is_answered_instead_of_waiting_on_its_write() -> None:
+    """The owner's channel cut (it restarted) while a StreamEnqueue part was being
+    written: gRPC never finishes a write on a call its closed channel ended, so the
+    producer's stream waited forever, every later request behind it (about one owner
+    restart in 10-40 under load). Once the stream's reader has ended, the part is
+    answered "which is down" and the stream goes on."""
+    from fila.cluster.layout import NodeRecord
+    from fila.cluster.peers import Link
+    from fila.cluster.streams import StreamSplitter, _Pending, _Remote
+
+    class NeverWritten:
+        async def write(self, raw: bytes) -> None:
+            await asyncio.Event().wait()
+
+    async def scenario() -> None:
+        node = NodeRecord(1, "127.0.0.1:1", 0)
+        remote = _Remote(node, Link(node, cast(Any, None)), cast(Any, NeverWritten()))
+        remote.reader = asyncio.create_task(asyncio.sleep(0))  # ends, as on the cut
+        pending = _Pending(7, 1)
+        pending.missing = 1
+        remote.parts[1] = (pending, [0], ["q"])
+        splitter = StreamSplitter.__new__(StreamSplitter)
+        await asyncio.wait_for(splitter._write(remote, b"part"), 5.0)
+        assert pending.done.done() and remote.broken is not None
+        answer = pending.results[0]
+        assert answer is not None and "which is down" in answer.error.message
+
+    asyncio.run(scenario())
+
+
 def test_the_etcd_channel_reconnects_at_the_peer_channels_pace(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

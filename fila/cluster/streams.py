@@ -272,13 +272,31 @@ class StreamSplitter:
             self._break(remote, OwnerDown("-", node.node_id))
             return
         try:
-            await remote.call.write(part.SerializeToString())
+            await self._write(remote, part.SerializeToString())
         except (grpc.RpcError, asyncio.InvalidStateError) as exc:
             self._break(remote, _transport_error(exc, remote))
         except asyncio.CancelledError:
             if not cut_off(remote.link):
                 raise
             self._break(remote, OwnerDown("-", node.node_id))
+
+    async def _write(self, remote: _Remote, raw: bytes) -> None:
+        """Writes one part, or gives up once the stream's reader has ended: a write on a
+        call its closed channel ended never returns (seen: the link cut while the write
+        waited), and this stream's every later request waited behind it."""
+        write = asyncio.ensure_future(remote.call.write(raw))
+        reader = remote.reader
+        if reader is not None:
+            try:
+                await asyncio.wait((write, reader), return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                write.cancel()
+                raise
+            if not write.done():  # the stream is over: this write never will be
+                write.cancel()
+                self._break(remote, remote.broken or OwnerDown("-", remote.node.node_id))
+                return
+        await write
 
     async def _read_remote(self, remote: _Remote) -> None:
         try:
