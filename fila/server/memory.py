@@ -57,6 +57,33 @@ def _malloc_trim() -> Callable[[int], int] | None:
     return result
 
 
+class TrimPolicy:
+    """When to trim, and what a trim earned: the state the trimmer's thread steps.
+
+    Kept apart from the thread so a test can step it at chosen moments: a thread
+    that trims on its own schedule may trim between any two lines of a test.
+    """
+
+    def __init__(self, trim: Callable[[int], int], interval_s: float, growth_bytes: int) -> None:
+        self._trim = trim
+        self._interval_s = interval_s
+        self._growth_bytes = growth_bytes
+        self._floor = resident_bytes()
+        self.wait_s = interval_s
+
+    def step(self) -> None:
+        """Trim if the resident size grew `growth_bytes` above the floor; set `wait_s`."""
+        before = resident_bytes()
+        if before - self._floor < self._growth_bytes:
+            self.wait_s = self._interval_s
+            return
+        self._trim(0)
+        after = resident_bytes()
+        self._floor = min(self._floor, after)
+        gave_back = before - after >= self._growth_bytes // 4
+        self.wait_s = self._interval_s if gave_back else min(2 * self.wait_s, MAX_BACKOFF_S)
+
+
 class HeapTrimmer:
     """Owned by `serve`: `start()` after startup, `stop()` at shutdown."""
 
@@ -79,17 +106,7 @@ class HeapTrimmer:
             self._thread.join()
 
     def _run(self) -> None:
-        trim = self._trim
-        assert trim is not None
-        floor = resident_bytes()
-        wait_s = self._interval_s
-        while not self._stop.wait(wait_s):
-            before = resident_bytes()
-            if before - floor < self._growth_bytes:
-                wait_s = self._interval_s
-                continue
-            trim(0)
-            after = resident_bytes()
-            floor = min(floor, after)
-            gave_back = before - after >= self._growth_bytes // 4
-            wait_s = self._interval_s if gave_back else min(2 * wait_s, MAX_BACKOFF_S)
+        assert self._trim is not None
+        policy = TrimPolicy(self._trim, self._interval_s, self._growth_bytes)
+        while not self._stop.wait(policy.wait_s):
+            policy.step()
