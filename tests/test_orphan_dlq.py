@@ -1,4 +1,5 @@
-"""A dead-letter queue whose queue's record was lost (an orphan DLQ) can be taken back.
+"""A dead-letter queue whose queue's record was lost (an orphan DLQ) can be taken back,
+and a queue whose DLQ's record was lost gets its DLQ back.
 
 `fila-server --repair` skips damaged blocks; when the block it skips holds the record
 of `orders` but not that of `orders.dlq`, the broker starts with the DLQ and without
@@ -8,8 +9,13 @@ creating `orders` must adopt the orphaned `orders.dlq` (its messages kept) inste
 answering that `orders.dlq` already exists, and the orphan may also be deleted on its
 own. A DLQ whose queue is alive keeps the normal rules.
 
+The reverse damage, `orders.dlq`'s record gone and `orders`'s kept, has no way back
+by hand (".dlq" names are reserved): a nack to "dlq" would retry instead and the
+DLQ's stored messages would stay unreachable. Recovery recreates the DLQ from its
+queue, as CreateQueue made it, writes it back and logs it.
+
 The damage is written directly: the records exactly as recovery finds them after
-such a repair (the queue's record gone, everything else kept), first on in-memory
+such a repair (one queue record gone, everything else kept), first on in-memory
 storage through the core, then in a real data directory under a real fila-server.
 """
 
@@ -24,7 +30,7 @@ import grpc
 import pytest
 from support import ServerFactory
 from support.core import CoreBroker, make_core
-from support.stubs import connect, status_of
+from support.stubs import RPC_TIMEOUT_S, connect, status_of
 
 from fila.config import Config, parse_config
 from fila.core.broker import Broker, BrokerSettings
@@ -34,6 +40,7 @@ from fila.core.recovery import RecoveryReport, recover
 from fila.storage import keys
 from fila.storage.backend import Batch, RocksStorage
 from fila.storage.committer import Committer
+from fila.v1 import admin_pb2
 
 TO_DLQ = 'function on_failure(m) return { action = "dlq" } end'
 
@@ -64,19 +71,27 @@ def _restart(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroker
     return CoreBroker(broker, core.storage, core.clock, committer), report
 
 
+async def _dead_letter(core: CoreBroker, queue: str, count: int) -> list[str]:
+    """Enqueues `count` messages on `queue` (whose on_failure is `TO_DLQ`, and which
+    holds nothing ready yet) and nacks each into the DLQ; returns their ids."""
+    dead = await core.enqueue(queue, count)
+    consumer = core.broker.delivery.attach_consumer(queue)
+    await core.settle()
+    assert core.take(consumer) == dead
+    results, committed = core.broker.nack([(queue, m, "boom") for m in dead])
+    await committed
+    assert results == [None] * count
+    core.broker.delivery.detach_consumer(consumer)
+    await core.settle()
+    return dead
+
+
 async def _orphaned(config: Config | None = None) -> tuple[CoreBroker, RecoveryReport]:
     """A broker started on data where `orders` (3 messages) lost its record and
     `orders.dlq` (1 dead-lettered message) kept its own."""
     core = make_core()
     await core.broker.admin.create_queue("orders", "", TO_DLQ, 1000)
-    (dead,) = await core.enqueue("orders")
-    consumer = core.broker.delivery.attach_consumer("orders")
-    await core.settle()
-    assert core.take(consumer) == [dead]
-    results, committed = core.broker.nack([("orders", dead, "boom")])
-    await committed
-    assert results == [None]
-    core.broker.delivery.detach_consumer(consumer)
+    await _dead_letter(core, "orders", 1)
     await core.enqueue("orders", 3)
     _lose_record(core, "orders")
     return _restart(core, config)
@@ -204,3 +219,110 @@ def test_a_real_broker_takes_back_a_queue_whose_record_a_repair_lost(
     with connect(server.addr) as fila:
         assert fila.queue_names() == ["orders", "orders.dlq"]
         assert fila.stats("orders").depth == 5, "the queue's messages did not come back"
+
+
+def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    async def scenario() -> None:
+        caplog.set_level(logging.WARNING, logger="fila.recovery")
+        core = make_core()
+        await core.broker.admin.create_queue("orders", "", TO_DLQ, 5000)
+        leased, ready = await _dead_letter(core, "orders", 2)
+        # one dead letter is being consumed from the DLQ when the damage happens
+        reader = core.broker.delivery.attach_consumer("orders.dlq", prefetch=1)
+        await core.settle()
+        assert core.take(reader) == [leased]
+        core.broker.delivery.detach_consumer(reader)  # sent: stays leased
+        await core.settle()
+        assert core.broker.admin.stats("orders.dlq").in_flight == 1
+        await core.enqueue("orders", 2)
+        lost = _stored(core, "orders.dlq")
+        assert lost is not None
+        _lose_record(core, "orders.dlq")
+
+        core, report = _restart(core)
+        assert report.recreated_dlqs == ["orders.dlq"]
+        assert report.orphans == 0 and report.orphan_dlqs == []
+        (warning,) = [r for r in caplog.records if "was recreated" in r.message]
+        assert warning.levelno == logging.WARNING
+        assert (warning.__dict__["dlq"], warning.__dict__["messages"]) == ("orders.dlq", 2)
+        # The same record CreateQueue wrote, served and written back.
+        dlq = core.broker.queues["orders.dlq"]
+        assert dlq.record == lost and dlq.record.visibility_timeout_ms == 5000
+        assert _stored(core, "orders.dlq") == lost
+        assert [q.name for q in core.broker.admin.list_queues()] == ["orders", "orders.dlq"]
+        # Its stored messages are its own again: counted, peeked, settled.
+        stats = core.broker.admin.stats("orders.dlq")
+        assert (stats.depth, stats.in_flight) == (1, 1)
+        assert core.broker.admin.stats("orders").depth == 2
+        page, _ = core.broker.admin.peek("orders.dlq", 0, "", "")
+        assert sorted(m.id for m in page) == sorted([ready, leased])
+        results, committed = core.broker.ack([("orders.dlq", leased)])
+        await committed
+        assert results == [None]
+
+        # A nack to "dlq" dead-letters again instead of retrying.
+        consumer = core.broker.delivery.attach_consumer("orders")
+        await core.settle()
+        taken = core.take(consumer)
+        assert len(taken) == 2
+        results, committed = core.broker.nack([("orders", m, "boom") for m in taken])
+        await committed
+        await core.settle()
+        assert results == [None, None]
+        assert core.broker.queues["orders"].counters.dead_lettered == 2
+        assert core.broker.admin.stats("orders.dlq").depth == 3
+        core.broker.delivery.detach_consumer(consumer)
+
+        # The next start reads the written record: nothing to recreate, nothing lost.
+        core, report = _restart(core)
+        assert report.recreated_dlqs == [] and report.orphans == 0
+        assert core.broker.admin.stats("orders.dlq").depth == 3
+        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
+        await committed
+        await core.settle()
+        assert redriven == 3 and core.broker.admin.stats("orders").depth == 3
+
+    run(scenario)
+
+
+def test_a_real_broker_recreates_a_dlq_whose_record_a_repair_lost(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory(persist_mode="sync")
+    with connect(server.addr) as fila:
+        fila.create_queue("orders", on_failure=TO_DLQ)
+        dead = fila.enqueue("orders", b"dead")
+        with fila.consume("orders") as stream:
+            assert stream.get().id == dead
+            fila.nack("orders", dead, "boom")
+        assert fila.stats("orders.dlq").depth == 1
+        fila.enqueue("orders", b"next")
+    server.stop()
+    storage = RocksStorage(server.data_dir)
+    try:
+        batch = Batch()
+        batch.delete(keys.queue_key("orders.dlq"))
+        storage.write(batch)
+    finally:
+        storage.close()
+
+    server.start()
+    assert "dead-letter queue had no record" in server.log_text()
+    with connect(server.addr) as fila:
+        assert fila.queue_names() == ["orders", "orders.dlq"]
+        assert fila.stats("orders.dlq").depth == 1, "the DLQ's stored message is not served"
+        with fila.consume("orders") as stream:
+            retried = stream.get().id
+            fila.nack("orders", retried, "boom")
+        assert fila.stats("orders.dlq").depth == 2, "the nack did not dead-letter"
+    server.restart()
+    with connect(server.addr) as fila:
+        assert fila.queue_names() == ["orders", "orders.dlq"]
+        assert fila.stats("orders.dlq").depth == 2
+        redriven = fila.admin.Redrive(
+            admin_pb2.RedriveRequest(dlq_queue="orders.dlq"), timeout=RPC_TIMEOUT_S
+        )
+        assert redriven.redriven == 2 and fila.stats("orders").depth == 2
+    assert server.log_text().count("dead-letter queue had no record") == 1

@@ -57,6 +57,17 @@ def _ref_key(ref: MessageRef) -> bytes:
     return ref.key
 
 
+def dlq_record(queue: QueueRecord, created_at_ms: int) -> QueueRecord:
+    """The record of `queue`'s dead-letter queue: no scripts, `queue`'s visibility timeout.
+
+    The one derivation of a DLQ's configuration: CreateQueue uses it, and so does
+    recovery when it recreates a DLQ whose record damage lost (`fila.core.recovery`),
+    so that the DLQ it brings back is the one CreateQueue made."""
+    return QueueRecord(
+        queue.name + DLQ_SUFFIX, "", "", queue.visibility_timeout_ms, queue.name, created_at_ms
+    )
+
+
 class Administration:
     """Queue lifecycle, stats, runtime config, redrive, peek, purge and restore."""
 
@@ -135,7 +146,7 @@ class Administration:
         record = QueueRecord(name, on_enqueue, on_failure, timeout, "", now)
         hooks = self._make_hooks(record)
         dlq_created_ms = orphan.record.created_at_ms if orphan is not None else now
-        return record, hooks, QueueRecord(dlq_name, "", "", timeout, name, dlq_created_ms)
+        return record, hooks, dlq_record(record, dlq_created_ms)
 
     def delete_queue(self, name: str) -> asyncio.Future[None]:
         self.broker.check_open()

@@ -18,7 +18,12 @@ messages are deleted in the same atomic batch as the queue), so it means damage.
 A dead-letter queue whose queue does not exist is such damage too (a queue and its
 DLQ are created and deleted together): it is restored as the ordinary queue it is,
 with its messages, and reported; creating its queue again adopts it, and deleting
-it alone is allowed (see `Administration`).
+it alone is allowed (see `Administration`). The reverse, a queue whose DLQ's record
+was lost, is repaired here: the DLQ cannot be created by hand (".dlq" names are
+reserved), and without it a nack to "dlq" retries instead and the DLQ's stored
+messages are unreachable. So its record is derived from the queue's exactly as
+CreateQueue derives it, written back, and logged; its messages, which name it as
+their queue, are then placed like any other.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from dataclasses import dataclass, field
 
 from google.protobuf.message import DecodeError
 
+from fila.core.administration import dlq_record
 from fila.core.broker import Broker
 from fila.core.queue import QueueRecord
 from fila.core.records import MessageRef
@@ -48,6 +54,7 @@ class RecoveryReport:
     delayed: int = 0
     orphans: int = 0
     orphan_dlqs: list[str] = field(default_factory=list)
+    recreated_dlqs: list[str] = field(default_factory=list)
     stale_side_records: int = 0
 
 
@@ -67,6 +74,21 @@ def recover(broker: Broker) -> RecoveryReport:
             raise CorruptionError(f"queue record {raw_key[:64]!r} does not decode: {exc}") from None
         broker.admin.restore_queue(record)
         report.queues += 1
+    # Before the messages are placed, so that those of a recreated DLQ find it.
+    for owner in list(broker.queues.values()):
+        dlq_name = owner.dlq_name
+        if dlq_name is None or dlq_name in broker.queues:
+            continue
+        # CreateQueue stamps a queue and its DLQ with the same time, so this is the
+        # lost record itself (unless the DLQ was an adopted orphan: then only its
+        # creation time differs). It is written, not just served: the next start
+        # reads it as any other record and the warning is not repeated. Were the
+        # write lost (a power cut before it is synced), the next recovery derives the
+        # same record again, so nothing depends on which start wrote it.
+        lost = dlq_record(owner.record, owner.record.created_at_ms)
+        broker.admin.restore_queue(lost)
+        committer.put(keys.queue_key(lost.name), lost.encode())
+        report.recreated_dlqs.append(lost.name)
     report.orphan_dlqs = [
         q.name
         for q in broker.queues.values()
@@ -142,6 +164,18 @@ def recover(broker: Broker) -> RecoveryReport:
             "stored messages name a queue that does not exist; they were left untouched "
             "(a sign of damage: see 'Damaged data' in docs/operations.md)",
             extra={"messages": report.orphans},
+        )
+    for name in report.recreated_dlqs:
+        dlq = broker.queues[name]
+        log.warning(
+            "a queue's dead-letter queue had no record (it was lost: a sign of damage); "
+            "it was recreated from the queue's configuration and its stored messages are "
+            "served again",
+            extra={
+                "queue": dlq.record.dlq_of,
+                "dlq": name,
+                "messages": dlq.depth + len(dlq.leases),
+            },
         )
     for name in report.orphan_dlqs:
         parent = broker.queues[name].record.dlq_of
