@@ -18,7 +18,6 @@ import contextlib
 import logging
 import os
 import signal
-import ssl
 import sys
 from collections.abc import Mapping
 from enum import IntEnum
@@ -45,6 +44,7 @@ from fila.server.auth import auth_interceptors, load_keyring
 from fila.server.limits import connection_cap, raise_open_files_limit
 from fila.server.memory import HeapTrimmer
 from fila.server.readers import StreamReaders
+from fila.server.tls import CertificateFiles, TlsFileError
 from fila.storage.backend import CorruptionError, DataDirInUse, RocksStorage, StorageError
 from fila.storage.committer import Committer
 from fila.storage.layout import upgrade_layout
@@ -96,41 +96,6 @@ def server_options(config: Config, max_connections: int) -> list[tuple[str, int]
     ]
 
 
-def tls_credentials(config: Config) -> grpc.ServerCredentials | None:
-    """The listener's TLS credentials, checked here so a bad file gets a clear reason
-    (gRPC itself only reports "failed to bind")."""
-    tls = config.tls
-    if not tls.cert_file:
-        return None
-
-    def read(path: str, what: str) -> bytes:
-        try:
-            return Path(path).read_bytes()
-        except OSError as exc:
-            raise StartupError(f"cannot read tls.{what} {path}: {exc.strerror or exc}") from None
-
-    cert, key = read(tls.cert_file, "cert_file"), read(tls.key_file, "key_file")
-    ca = read(tls.ca_file, "ca_file") if tls.ca_file else None
-    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    try:
-        context.load_cert_chain(tls.cert_file, tls.key_file)
-    except ssl.SSLError as exc:
-        raise StartupError(
-            f"tls.cert_file {tls.cert_file} and tls.key_file {tls.key_file} are not a valid "
-            f"PEM certificate and its private key ({exc.reason or exc})"
-        ) from None
-    if tls.ca_file:
-        try:
-            context.load_verify_locations(tls.ca_file)
-        except ssl.SSLError as exc:
-            raise StartupError(
-                f"tls.ca_file {tls.ca_file} is not a PEM CA bundle ({exc.reason or exc})"
-            ) from None
-    return grpc.ssl_server_credentials(
-        [(key, cert)], root_certificates=ca, require_client_auth=ca is not None
-    )
-
-
 def open_storage(data_dir: Path, direct_io: bool) -> RocksStorage:
     """Opens the database and brings an older key layout up to date before anything reads it."""
     try:
@@ -156,7 +121,10 @@ def open_storage(data_dir: Path, direct_io: bool) -> RocksStorage:
 async def serve(config: Config) -> ExitCode:
     open_files = raise_open_files_limit()
     max_connections = connection_cap(config.server.max_connections, open_files)
-    credentials = tls_credentials(config)
+    try:
+        credentials = CertificateFiles(config.tls).credentials() if config.tls.cert_file else None
+    except TlsFileError as exc:
+        raise StartupError(str(exc)) from None
     data_dir = Path(config.storage.data_dir)
     storage = open_storage(data_dir, config.storage.direct_io)
     stop = asyncio.Event()
