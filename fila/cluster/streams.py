@@ -35,7 +35,7 @@ from fila.cluster.peers import Link, Peers, cut_off, is_forwarded, translate
 from fila.cluster.routing import LOCAL, Router, Target
 from fila.core.errors import BrokerError, InvalidArgument, Unavailable
 from fila.server import access, rpc
-from fila.server.readers import StreamReaders
+from fila.server.readers import Interrupted, StreamReaders
 from fila.server.rpc import BadRequest
 from fila.server.status import batch_error
 from fila.v1 import service_pb2
@@ -116,7 +116,7 @@ class StreamSplitter:
         readers: StreamReaders | None = None,
     ) -> None:
         self._router = router
-        self._readers = readers
+        self._readers = readers or StreamReaders()
         self._peers = peers
         self._inner = inner
         self._context = context
@@ -138,13 +138,11 @@ class StreamSplitter:
             iterator = aiter(requests)
             while not writer.done():
                 try:
-                    with self._readers.reading() if self._readers else contextlib.nullcontext():
+                    with self._readers.reading():
                         request = await anext(iterator)
                 except StopAsyncIteration:
                     break
-                except asyncio.CancelledError:
-                    if self._readers is None or not self._readers.interrupted():
-                        raise
+                except Interrupted:
                     stopping = True  # the broker stops: answer what was taken, then end
                     break
                 if isinstance(request, BadRequest):

@@ -21,8 +21,16 @@ from collections.abc import Iterator
 from typing import Any
 
 
+class Interrupted(Exception):
+    """The broker's shutdown ended a stream's wait for its next request: the stream
+    answers what it owes, then ends with UNAVAILABLE "broker is shutting down"."""
+
+
 class StreamReaders:
-    """The handler tasks now waiting for a request; the loop thread owns the set."""
+    """The handler tasks now waiting for a request; the loop thread owns the set.
+
+    A handler that is given none makes its own, which nothing interrupts (in cluster
+    mode the service behind the splitter: the splitter is what reads the client)."""
 
     def __init__(self) -> None:
         self._waiting: set[asyncio.Task[Any]] = set()
@@ -30,13 +38,20 @@ class StreamReaders:
 
     @contextlib.contextmanager
     def reading(self) -> Iterator[None]:
-        """Marks the current task as waiting for requests inside the block; the
-        shutdown may cancel it there (see `interrupted`)."""
+        """Marks the current task as waiting for requests inside the block. The
+        shutdown's cancellation, and only that, leaves the block as `Interrupted`;
+        any other cancellation (the client went away, gRPC cancels the call)
+        propagates."""
         task = asyncio.current_task()
         assert task is not None
         self._waiting.add(task)
         try:
             yield
+        except asyncio.CancelledError:
+            if not self._stopping or task.cancelling() != 1:
+                raise
+            task.uncancel()  # withdrawn, so the stream can answer what it owes
+            raise Interrupted from None
         finally:
             self._waiting.discard(task)
 
@@ -46,14 +61,3 @@ class StreamReaders:
         self._stopping = True
         for task in self._waiting:
             task.cancel("broker is shutting down")
-
-    def interrupted(self) -> bool:
-        """Called where a reading task caught `CancelledError`: True if that was the
-        shutdown's interruption alone, which it then withdraws so the stream can
-        answer what it owes; False if the cancellation must propagate (the client
-        went away, or gRPC cancels the call)."""
-        task = asyncio.current_task()
-        if not self._stopping or task is None or task.cancelling() != 1:
-            return False
-        task.uncancel()
-        return True

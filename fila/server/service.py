@@ -24,7 +24,7 @@ from fila.core.errors import BrokerError, InvalidArgument, Unavailable
 from fila.core.frames import KEEPALIVE_FRAME, timestamp, varint
 from fila.server import access, rpc
 from fila.server.access import Kind
-from fila.server.readers import StreamReaders
+from fila.server.readers import Interrupted, StreamReaders
 from fila.server.rpc import BadRequest, Context
 from fila.server.status import OK, batch_error
 from fila.storage.backend import StorageError
@@ -48,9 +48,10 @@ class _Ending(Exception):
 class FilaService:
     def __init__(self, broker: Broker, readers: StreamReaders | None = None) -> None:
         """`readers`: where open StreamEnqueue calls wait for requests, so that the
-        shutdown can end them (None: they end when the grace period does)."""
+        shutdown can end them (None: a set of their own that nothing interrupts, so they
+        end when the grace period does)."""
         self._broker = broker
-        self._readers = readers
+        self._readers = readers or StreamReaders()
 
     # -- enqueue -------------------------------------------------------------------
 
@@ -102,13 +103,11 @@ class FilaService:
         ending: BrokerError | None = None
         try:
             try:
-                with self._readers.reading() if self._readers else contextlib.nullcontext():
+                with self._readers.reading():
                     await self._take_requests(requests, answers, writer)
             except _Ending as end:
                 ending = end.reason
-            except asyncio.CancelledError:
-                if self._readers is None or not self._readers.interrupted():
-                    raise
+            except Interrupted:
                 ending = Unavailable("broker is shutting down")
             answers.put_nowait(None)
             await writer
