@@ -24,6 +24,7 @@ from fila.core.errors import BrokerError, InvalidArgument, Unavailable
 from fila.core.frames import KEEPALIVE_FRAME, timestamp, varint
 from fila.server import access, rpc
 from fila.server.access import Kind
+from fila.server.owed import OWED_BATCHES_PER_STREAM, OwedAnswers
 from fila.server.readers import Interrupted, StreamReaders
 from fila.server.rpc import BadRequest, Context
 from fila.server.status import OK, batch_error
@@ -88,16 +89,18 @@ class FilaService:
         that does not decode, or a key revoked meanwhile) still lets every request
         before it be answered first: those were stored, and a client that never
         heard so could only enqueue them again."""
-        answers: asyncio.Queue[tuple[int, list[ItemResult], asyncio.Future[None]] | None]
-        answers = asyncio.Queue()
+        answers = OwedAnswers(OWED_BATCHES_PER_STREAM * self._broker.settings.max_batch_messages)
 
         async def write_answers() -> None:
-            while (item := await answers.get()) is not None:
-                sequence, results, committed = item
-                await committed
-                await context.write(
-                    b"\x08" + varint(sequence) + encode_results(results, _STREAM_RESULTS_TAG)
-                )
+            try:
+                while (item := await answers.get()) is not None:
+                    sequence, results, committed = item
+                    await committed
+                    await context.write(
+                        b"\x08" + varint(sequence) + encode_results(results, _STREAM_RESULTS_TAG)
+                    )
+            finally:
+                answers.writer_ended()
 
         writer = asyncio.create_task(write_answers())
         ending: BrokerError | None = None
@@ -109,7 +112,7 @@ class FilaService:
                 ending = end.reason
             except Interrupted:
                 ending = Unavailable("broker is shutting down")
-            answers.put_nowait(None)
+            answers.end()
             await writer
             if ending is not None:
                 raise ending
@@ -122,12 +125,13 @@ class FilaService:
     async def _take_requests(
         self,
         requests: AsyncIterator[service_pb2.StreamEnqueueRequest | BadRequest],
-        answers: asyncio.Queue[tuple[int, list[ItemResult], asyncio.Future[None]] | None],
+        answers: OwedAnswers,
         writer: asyncio.Task[None],
     ) -> None:
         """Hands each request to the broker as it arrives and queues its answer, until
         the client half-closes or the writer fails; raises `_Ending` for a request
-        that ends the stream."""
+        that ends the stream. While the stream owes as many answers as `answers`
+        holds, it reads no further (see `OwedAnswers`)."""
         broker = self._broker
         async for request in requests:
             if isinstance(request, BadRequest):
@@ -145,7 +149,9 @@ class FilaService:
             except BrokerError as exc:
                 results = [exc] * len(request.messages)
                 committed = _done()
-            answers.put_nowait((request.sequence_number, results, committed))
+            answers.put((request.sequence_number, results, committed))
+            if answers.full:
+                await answers.room()
             if writer.done():
                 return
 
