@@ -106,3 +106,32 @@ def test_a_rotated_client_ca_decides_which_client_certificates_are_taken(
         assert _handshake(srv.addr, old["ca.pem"], new_client) == "ok"
         assert _handshake(srv.addr, old["ca.pem"], old_client) == "UNAVAILABLE"
         assert _handshake(srv.addr, old["ca.pem"]) == "UNAVAILABLE", "still required"
+
+
+@pytest.mark.parametrize("verbosity", [None, "INFO"])
+def test_failed_handshakes_write_no_log_lines_unless_asked(
+    tmp_path: Path, certs: tuple[dict[str, Path], dict[str, Path], Path], verbosity: str | None
+) -> None:
+    old, new, _ = certs
+    config = (
+        f'[tls]\ncert_file = "{old["server.pem"]}"\nkey_file = "{old["server.key"]}"\n'
+        f'ca_file = "{old["ca.pem"]}"\n'
+    )
+    creds = grpc.ssl_channel_credentials(
+        old["ca.pem"].read_bytes(),
+        private_key=old["client.key"].read_bytes(),
+        certificate_chain=old["client.pem"].read_bytes(),
+    )
+    env = {"GRPC_VERBOSITY": verbosity} if verbosity else None
+    srv = ServerProcess(tmp_path / "data", config_toml=config, channel_credentials=creds, env=env)
+    with srv:
+        for _ in range(5):  # a client certificate from a CA the broker does not trust
+            assert (
+                _handshake(srv.addr, old["ca.pem"], (new["client.pem"], new["client.key"])) != "ok"
+            )
+        assert _handshake(srv.addr, old["ca.pem"], (old["client.pem"], old["client.key"])) == "ok"
+    failures = srv.log_text().count("Handshake failed")
+    if verbosity is None:
+        assert failures == 0, "gRPC's per-handshake lines are off by default"
+    else:
+        assert failures >= 5, "the operator's GRPC_VERBOSITY is kept"

@@ -11,6 +11,13 @@ one-in-flight producers that cut context switches from 6.4 to 3.9 per message an
 the broker's CPU per durable message from 84-86 to 72-76 us (docs/benchmarks.md,
 "gRPC's listener"). gRPC documents the variable as the way to turn the experiment
 off. An operator's own `GRPC_EXPERIMENTS` is left as it is.
+
+gRPC's C core writes its own lines to stderr, outside the broker's log format and
+rate limits: at its default verbosity, one line per failed TLS handshake, so any
+peer could fill the log's disk by failing handshakes in a loop (measured: 100
+handshakes with an untrusted client certificate, 100 lines). `GRPC_VERBOSITY` is
+set to `ERROR` unless the operator set it (`GRPC_VERBOSITY=INFO` brings those lines
+back, to debug a client's connection).
 """
 
 from __future__ import annotations
@@ -20,3 +27,4 @@ import os
 BROKER_GRPC_EXPERIMENTS = "-event_engine_listener"
 
 GRPC_EXPERIMENTS = os.environ.setdefault("GRPC_EXPERIMENTS", BROKER_GRPC_EXPERIMENTS)
+GRPC_VERBOSITY = os.environ.setdefault("GRPC_VERBOSITY", "ERROR")

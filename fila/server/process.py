@@ -59,7 +59,8 @@ class ServerProcess:
     `config_toml` is written to `data_dir.parent / "fila.toml"` and passed as
     `--config`; `persist_mode`, when given, is set in that file's `[storage]` table.
     `env` adds to (and may override) the child's environment, from which inherited
-    `FILA_*` variables are removed so the caller's shell cannot leak into a test.
+    `FILA_*` variables (and gRPC's log settings) are removed so the caller's shell cannot
+    leak into a test.
     `channel_credentials` are used for the readiness check when the config enables TLS.
     `wrapper` is an argv prefix the broker runs under (e.g. `strace -f -o FILE`, or
     `ip netns exec NS` with `host` an address inside that namespace). `port` fixes the
@@ -93,7 +94,10 @@ class ServerProcess:
         if config_toml is not None:
             self.config_path = self.data_dir.parent / "fila.toml"
         self._config_toml = config_toml
-        self._env = {k: v for k, v in os.environ.items() if not k.startswith("FILA_")}
+        # Not this process's own settings for Fila or gRPC (the `fila` CLI, once
+        # imported, sets GRPC_VERBOSITY): the broker starts from its own defaults.
+        inherited = ("FILA_", "GRPC_VERBOSITY", "GRPC_TRACE")
+        self._env = {k: v for k, v in os.environ.items() if not k.startswith(inherited)}
         self._env["PYTHONPATH"] = os.pathsep.join(
             p for p in (str(_REPO_ROOT), os.environ.get("PYTHONPATH", "")) if p
         )
