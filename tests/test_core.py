@@ -224,23 +224,46 @@ def test_delivered_counts_the_messages_sent_not_those_only_buffered() -> None:
     run(scenario)
 
 
+async def _budget_spent_by_a_stream_that_never_sends() -> CoreBroker:
+    """Queues "a" and "b"; a stream on "a" holds the whole (2 KB) buffer budget."""
+    config = parse_config("[scheduler]\ntotal_buffer_bytes = 2048\n", "test")
+    core = make_core(queues=["a", "b"], config=config)
+    big = [service_pb2.EnqueueRequest(queue="a", payload=bytes(1500)) for _ in range(3)]
+    _, committed = core.broker.enqueue(big)
+    await committed
+    core.broker.delivery.attach_consumer("a", prefetch=10)  # a stream that never sends
+    await core.settle()
+    assert core.broker.buffers.exhausted
+    return core
+
+
+def test_a_stream_that_sends_what_it_gets_is_served_while_unread_streams_spend_the_budget() -> None:
+    async def scenario() -> None:
+        core = await _budget_spent_by_a_stream_that_never_sends()
+        reading = core.broker.delivery.attach_consumer("b", prefetch=10, max_batch=10)
+        ids = await core.enqueue("b", 5)
+        received: list[str] = []
+        for _ in range(10):
+            received += core.take(reading)
+            await core.settle()
+        assert received == ids, "served one message at a time, not stalled"
+        assert core.broker.buffers.exhausted, "the unread stream keeps what it holds"
+
+    run(scenario)
+
+
 def test_deleting_a_queue_whose_streams_spent_the_buffer_budget_unblocks_the_others() -> None:
     async def scenario() -> None:
-        config = parse_config("[scheduler]\ntotal_buffer_bytes = 2048\n", "test")
-        core = make_core(queues=["a", "b"], config=config)
-        big = [service_pb2.EnqueueRequest(queue="a", payload=bytes(1500)) for _ in range(3)]
-        _, committed = core.broker.enqueue(big)
-        await committed
-        core.broker.delivery.attach_consumer("a", prefetch=10)  # a stream that never sends
-        await core.settle()
-        assert core.broker.buffers.exhausted
-        waiting = core.broker.delivery.attach_consumer("b")
-        (message_id,) = await core.enqueue("b")
-        assert core.take(waiting) == []  # held back: every stream's budget is spent
+        core = await _budget_spent_by_a_stream_that_never_sends()
+        waiting = core.broker.delivery.attach_consumer("b", prefetch=10, max_batch=10)
+        ids = await core.enqueue("b", 2)
+        # With the budget spent, a stream holds one unsent message at most.
+        assert waiting.unsettled == 1
         await core.broker.admin.delete_queue("a")
         await core.settle()
         assert not core.broker.buffers.exhausted
-        assert core.take(waiting) == [message_id]
+        assert waiting.unsettled == 2, "the budget back, the rest is buffered at once"
+        assert core.take(waiting) == ids
 
     run(scenario)
 

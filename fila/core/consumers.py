@@ -192,6 +192,18 @@ class ConsumerRing:
         """The consumer whose turn it is, or None if none has room."""
         return self._waiting[0] if self._waiting else None
 
+    def next_unbuffered(self) -> Consumer | None:
+        """The next consumer with room and nothing buffered, brought to the head, or
+        None. While the broker-wide buffer budget is spent, only such consumers are
+        served (see `Delivery.pump`): streams that send what they get, not those
+        whose buffers stand still. Scans the ring, but only while the budget is spent."""
+        waiting = self._waiting
+        for _ in range(len(waiting)):
+            if waiting[0].buffered_bytes == 0:
+                return waiting[0]
+            waiting.rotate(-1)
+        return None
+
     def served(self, consumer: Consumer) -> None:
         """`consumer` (the head) was just given a message: next turn, or out if full."""
         if consumer.has_room:

@@ -106,7 +106,9 @@ class Delivery:
         if len(live) != len(taken):
             active = {id(lease) for lease in live}
             taken = [item for item in taken if id(item[0]) in active]
-        if queue.consumers.room_freed(consumer):
+        if queue.consumers.room_freed(consumer) or (
+            self._buffers_blocked and consumer.waiting and not consumer.buffered_bytes
+        ):  # with the budget spent, a stream that sent all it had is served again
             self.broker.mark_dirty(queue)
         self.buffers_released()
         if not taken:
@@ -128,11 +130,18 @@ class Delivery:
         grant = queue.leases.grant
         while drr.ready_count:
             if buffers.exhausted:
-                self._buffers_blocked = True
-                break
-            consumer = ring.next()
-            if consumer is None:
-                break
+                # Spent, most likely by streams that do not read (a stalled or hostile
+                # client): those keep what they hold, and a stream that sends what it
+                # gets is still given one message at a time. Stopping every queue
+                # instead let one client with 32 unread streams stall all deliveries.
+                consumer = ring.next_unbuffered()
+                if consumer is None:
+                    self._buffers_blocked = True
+                    break
+            else:
+                consumer = ring.next()
+                if consumer is None:
+                    break
             ref = drr.pick(has_tokens)
             if ref is None:
                 break
