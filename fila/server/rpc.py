@@ -142,6 +142,10 @@ def server_stream(
             await behavior(request, context)
         except (BrokerError, StorageError) as exc:
             await abort(context, exc)
+        except Exception:
+            if not context.done():
+                raise
+            _client_gone(method)
 
     return grpc.unary_stream_rpc_method_handler(
         handle, request_deserializer=parser(cls), response_serializer=identity
@@ -160,9 +164,20 @@ def bidi_stream(
             await behavior(requests, context)
         except (BrokerError, StorageError) as exc:
             await abort(context, exc)
+        except Exception:
+            if not context.done():
+                raise
+            _client_gone(method)
 
     return grpc.stream_stream_rpc_method_handler(
         handle,
         request_deserializer=parser(cls),
         response_serializer=identity if raw_responses else serializer,
     )
+
+
+def _client_gone(method: str) -> None:
+    """A stream's write failed because its call had already ended (the client went
+    away or cancelled): nobody is left to answer, and gRPC would log the exception
+    with its traceback as a servicer error, once per vanished client."""
+    log.debug("a stream's call ended under it; its client went away", extra={"method": method})

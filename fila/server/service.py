@@ -121,6 +121,11 @@ class FilaService:
                 writer.cancel()
                 with contextlib.suppress(asyncio.CancelledError, BrokerError, StorageError):
                     await writer
+            elif not writer.cancelled():
+                # Retrieved, or asyncio logs it with a traceback when the task is
+                # collected: a write that failed because the client left, seen here
+                # when the call's cancellation reached this task first.
+                writer.exception()
 
     async def _take_requests(
         self,
