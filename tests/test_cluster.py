@@ -17,8 +17,9 @@ What is shown here, and how:
   unaffected, nothing acknowledged lost or resurrected after its restart); a node cut
   off from a three-member etcd cluster by its network namespace (it stops serving
   within the lease TTL, no queue is served by two nodes, it serves again when the
-  link returns); a node joining; a duplicate node id and a data directory of another
-  node refused at startup.
+  link returns); one of three etcd members hung (the nodes leave it out within
+  seconds); a node joining; a duplicate node id, a live node's address and a data
+  directory of another node refused at startup.
 Without `[cluster]` nothing changes (the last test, and every other test file).
 
 Marked `cluster` (about two minutes in all): deselect with `-m "not cluster"`.
@@ -27,7 +28,9 @@ Marked `cluster` (about two minutes in all): deselect with `-m "not cluster"`.
 from __future__ import annotations
 
 import asyncio
+import os
 import queue as queues
+import signal
 import socket
 import threading
 import time
@@ -812,6 +815,181 @@ def test_the_etcd_channel_reconnects_at_the_peer_channels_pace(
     assert peers["grpc.max_reconnect_backoff_ms"] <= 500
 
 
+def test_a_hung_etcd_member_is_left_out_and_the_node_keeps_answering(tmp_path: Path) -> None:
+    """One member of a three-member etcd hangs (SIGSTOP: its connections stay open, it
+    answers nothing; quorum holds). The node's etcd channel round-robins its calls over
+    the members: a third of them went to the hung one and failed after 3 s each, until
+    gRPC's ping timeout closed that connection a minute later. Keepalive pings take the
+    member out of rotation (fila.cluster.etcd.KEEPALIVE_OPTIONS): within seconds of the
+    SIGSTOP every etcd write through the node answers at once, and goes on doing so.
+    A follower is stopped, so that no election muddies the measure."""
+    require_etcd()
+    etcd = EtcdCluster(tmp_path / "etcd", 3).start()
+    made = Cluster(tmp_path, etcd)
+    hung: int | None = None
+    try:
+        made.add(1)
+        fila = made.fila(1)
+        queue = unique("hung-etcd")
+        fila.create_queue(queue)
+        hung = etcd._procs[(etcd.leader() + 1) % 3].pid  # type: ignore[union-attr]
+        os.kill(hung, signal.SIGSTOP)
+        stopped_at = time.monotonic()
+        streak: list[float] = []  # when the writes answered at once since the last that was not
+
+        def writes_answer_at_once() -> bool:
+            """True once the writes answered within 1 s each, one after another, for 2 s
+            (with the member in rotation, a third of them went to it)."""
+            started = time.monotonic()
+            try:
+                fila.admin.SetConfig(
+                    admin_pb2.SetConfigRequest(key="hung", value=f"{started}"), timeout=5
+                )
+                answered = time.monotonic() - started < 1
+            except grpc.RpcError as exc:
+                assert exc.code() == UNAVAILABLE, exc
+                answered = False
+            if not answered:
+                streak.clear()
+                return False
+            streak.append(started)
+            return streak[-1] - streak[0] >= 2
+
+        wait_until(writes_answer_at_once, 20, what="2 s of etcd writes answered at once")
+        left_out_after = streak[0] - stopped_at
+        print(f"hung etcd member: every write answered at once from {left_out_after:.1f}s on")
+        assert left_out_after < 12
+        assert fila.admin.GetConfig(admin_pb2.GetConfigRequest(key="hung")).value == (
+            f"{streak[-1]}"
+        )
+        fila.enqueue(queue, b"still served")
+    finally:
+        if hung is not None:
+            os.kill(hung, signal.SIGCONT)
+        made.close()
+
+
+def test_an_etcd_read_not_answered_in_a_second_is_made_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Reads and lease renewals are hedged (fila.cluster.etcd.Etcd._hedged): one not
+    answered after the hedge delay is made again alongside, and the first answer wins,
+    so a call that went to a hung member (before the channel leaves it out) costs a
+    second instead of failing; both end within the call's timeout, and the one not
+    used is cancelled. Fake attempts: (delay, answer), a None answer failing."""
+    from fila.cluster import etcd as module
+    from fila.cluster.etcd import Etcd, EtcdUnavailable
+
+    monkeypatch.setattr(module, "READ_HEDGE_S", 0.1)
+    client = Etcd(["127.0.0.1:1"])  # never opened: the attempts are fakes
+
+    async def run(plan: list[tuple[float, str | None]]) -> tuple[str, list[str]]:
+        log: list[str] = []
+
+        def attempt(within_s: float) -> Any:
+            index = len(log)
+            delay, answer = plan[index]
+            log.append(f"{index}:{within_s:.1f}")
+
+            async def one() -> str:
+                try:
+                    await asyncio.sleep(min(delay, within_s))
+                except asyncio.CancelledError:
+                    log.append(f"{index}:cancelled")
+                    raise
+                if answer is None or delay > within_s:
+                    raise EtcdUnavailable(f"attempt {index} failed")
+                return answer
+
+            return one()
+
+        try:
+            got = await client._hedged(attempt, 0.5, module.READ_HEDGE_S)
+        except EtcdUnavailable as exc:
+            got = str(exc)
+        await asyncio.sleep(0.05)  # a cancelled attempt records it
+        return got, log
+
+    async def scenario() -> None:
+        assert await run([(0, "a")]) == ("a", ["0:0.5"])  # answered: no second attempt
+        assert await run([(9, "a"), (0, "b")]) == ("b", ["0:0.5", "1:0.4", "0:cancelled"])
+        assert await run([(0.15, None), (0.2, "b")]) == ("b", ["0:0.5", "1:0.4"])
+        assert await run([(0.15, "a"), (9, "b")]) == ("a", ["0:0.5", "1:0.4", "1:cancelled"])
+        failed, log = await run([(9, "a"), (9, "b")])  # both end at 0.5 s, in either order
+        assert failed in ("attempt 0 failed", "attempt 1 failed") and log == ["0:0.5", "1:0.4"]
+        assert await run([(0, None)]) == ("attempt 0 failed", ["0:0.5"])  # failed at once
+
+    asyncio.run(scenario())
+
+
+def test_a_write_on_a_lease_etcd_no_longer_has_is_unavailable(tmp_path: Path) -> None:
+    """etcd answers a write on an expired lease with NOT_FOUND ("requested lease not
+    found"). A node's join that granted a lease and then waited out its TTL on a hung
+    etcd member got it for its create, and the node stopped ("cluster tasks ended
+    unexpectedly"); it is EtcdUnavailable now, which the join retries with a new lease.
+    Revoking a lease etcd no longer has is still fine."""
+    from fila.cluster.etcd import Etcd, EtcdUnavailable
+
+    require_etcd()
+
+    async def scenario(endpoints: list[str]) -> None:
+        client = Etcd(endpoints)
+        await client.open()
+        try:
+            lease, _ttl = await client.grant(5)
+            await client.revoke(lease)
+            await client.revoke(lease)
+            with pytest.raises(EtcdUnavailable, match="requested lease not found"):
+                await client.create("/fila-test/k", b"v", lease=lease)
+            with pytest.raises(EtcdUnavailable, match="requested lease not found"):
+                await client.put("/fila-test/k", b"v", lease=lease)
+        finally:
+            await client.close()
+
+    with EtcdCluster(tmp_path / "etcd") as etcd:
+        asyncio.run(scenario(etcd.endpoints))
+
+
+def test_a_join_whose_create_was_made_again_holds_the_key_it_created() -> None:
+    """etcd3aio makes a call again when its connection closed under it (UNAVAILABLE),
+    as the etcd channel's keepalive now closes a hung member's: a join's create that
+    the first attempt applied is answered "exists", held by the lease the join has
+    just granted. That key is the node's own, and it joins; it revoked the new lease
+    (and with it the key) and started over. Fakes for etcd and the data directory."""
+    from fila.cluster.etcd import Created, Entry
+    from fila.cluster.layout import Layout, NodeRecord
+    from fila.cluster.lease import NodeLease
+
+    revoked: list[int] = []
+
+    class Etcd:
+        async def grant(self, ttl_s: int) -> tuple[int, int]:
+            return 0x7E, ttl_s
+
+        async def create(self, key: str, value: bytes, *, lease: int = 0) -> Created:
+            return Created(False, Entry(key, value, 5, lease), 5)  # made by the first attempt
+
+        async def revoke(self, lease: int) -> None:
+            revoked.append(lease)
+
+    class Identity:
+        def last_lease(self) -> int | None:
+            return None
+
+        async def record_lease(self, lease: int) -> None:
+            pass
+
+    async def scenario() -> None:
+        record = NodeRecord(1, "127.0.0.1:1", 0)
+        lease = NodeLease(
+            cast(Any, Etcd()), Layout("/fila"), record, 2000, cast(Any, Identity()), print
+        )
+        assert await lease._join()
+        assert lease.serving and revoked == []
+
+    asyncio.run(scenario())
+
+
 def _loopback_name() -> str | None:
     """This host's name, if it resolves to a loopback IPv4 address (where the tests'
     etcd listens), else None."""
@@ -1043,6 +1221,50 @@ def test_a_node_joins_and_new_queues_go_to_it(tmp_path: Path) -> None:
         )
         with pytest.raises(ServerStartError, match="belongs to cluster node 3, not 4"):
             moved.start(timeout=30)
+
+
+def test_a_node_at_another_live_nodes_address_is_refused(tmp_path: Path) -> None:
+    """Two live nodes may not advertise one address (a copied config): the others
+    forward a node's calls to the address in its record, so node 3 at node 2's address
+    received node 2's calls and node 2 node 3's. Node 3 is refused at startup, once
+    node 2 has outlived the wait for a dead predecessor's lease, with exit code 2 (a
+    configuration error), and never appears in the cluster. A node restarting under its
+    own id and address joins as ever, and a node at the address of one that died under
+    another id joins once etcd has counted that one down."""
+    with cluster(tmp_path, 2) as made:
+        taken = made.node(2).addr
+        twin = ServerProcess(
+            tmp_path / "twin" / "data",
+            config_toml=node_config(3, taken, made.etcd.endpoints),
+            port=free_port(),
+        )
+
+        def nodes_up() -> list[tuple[int, str]]:
+            status = made.fila(1).admin.ClusterStatus(admin_pb2.ClusterStatusRequest())
+            return [(n.node_id, n.advertise_addr) for n in status.nodes if n.up]
+
+        try:
+            with pytest.raises(ServerStartError, match="exited with code 2 before serving") as no:
+                twin.start(timeout=30)
+            assert f"advertise_addr {taken} is advertised by live node 2" in str(no.value)
+            assert "not joining yet" in twin.log_text()  # said at once, not after the wait
+            assert nodes_up() == [(1, made.node(1).addr), (2, taken)]
+
+            made.node(2).kill()  # its record stays live for the lease TTL...
+            made.node(2).start()  # ...and does not count against its own id
+            log = made.node(2).log_text()
+            assert "revoking this node's previous lease" in log and "not joining yet" not in log
+            made.fila(2).create_queue(unique("back"))
+            expected = [(1, made.node(1).addr), (2, taken)]
+            wait_until(lambda: nodes_up() == expected, 5, what="node 2 up again")
+
+            made.node(2).kill()  # node 3 takes over the address of a node that died
+            twin.start(timeout=30)
+            expected = [(1, made.node(1).addr), (3, taken)]
+            wait_until(lambda: nodes_up() == expected, 5, what="node 3 up at node 2's address")
+        finally:
+            if twin.running:
+                twin.stop()
 
 
 def test_a_node_cut_off_from_etcd_stops_serving_and_no_queue_has_two_servers(

@@ -18,9 +18,9 @@ import contextlib
 import ipaddress
 import logging
 import socket
-from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final, TypeVar, cast
 
 import grpc
 import grpc.aio
@@ -32,11 +32,42 @@ from fila.core.errors import Unavailable
 
 log = logging.getLogger("fila.cluster")
 
+T = TypeVar("T")
+
 # Unary calls (reads, writes, lease grants) give up after this; keepalives pass their own.
 CALL_TIMEOUT_S: Final = 3.0
+# A read not answered within this is made a second time, in parallel (see `_hedged`).
+READ_HEDGE_S: Final = 1.0
 # A watch that lost its stream reconnects after at most this (etcd3aio backs off to it).
 WATCH_MAX_BACKOFF_S: Final = 0.5
 _DELETE: Final = 1  # mvccpb.Event.EventType.DELETE
+
+# How the etcd channel notices a member that accepts connections but answers nothing
+# (hung, SIGSTOPped, its host overloaded). The channel round-robins calls over the
+# members and the TCP connection to a hung member stays up, so a third of the calls
+# (three members) went to it and timed out, until a ping it left unanswered closed the
+# connection after `grpc.http2.ping_timeout_ms`: 60 s by default. (This grpcio, 1.85,
+# applies that to keepalive pings too and ignores `grpc.keepalive_timeout_ms`: measured;
+# both are set.) Made again, the connection gets no HTTP/2 SETTINGS back, so
+# round_robin leaves the member out until it answers.
+#
+# etcd's server bounds the pings: one closer than `--grpc-keepalive-min-time` (5 s by
+# default) to the last, or any on a connection without an open call (etcd does not
+# permit pings without streams), is a strike, and the third strike in a row (nothing
+# sent by etcd in between) gets a GOAWAY "too_many_pings", which ends every watch on
+# that connection too. So: a keepalive ping once a connection has read nothing for 6 s,
+# with or without an open call (a hung member is found before a call waits on it), at
+# most two in a row before this side sends something again (never a third strike on an
+# idle connection; every call starts the count again), and the connection closed once
+# any ping (gRPC's flow-control pings after answers too) goes unanswered for 2 s. A hung
+# member is out of rotation 2 to 8 s after it last answered.
+KEEPALIVE_OPTIONS: Final = (
+    ("grpc.keepalive_time_ms", 6_000),
+    ("grpc.keepalive_timeout_ms", 2_000),
+    ("grpc.http2.ping_timeout_ms", 2_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 2),
+)
 
 
 class EtcdUnavailable(Unavailable):
@@ -126,9 +157,15 @@ class Etcd:
             watch_max_reconnect_backoff_seconds=WATCH_MAX_BACKOFF_S,
         )
         # etcd3aio takes no channel options; its ConnectionManager builds the channel
-        # from this list in connect(). Without these the channel waits up to 120 s
-        # between attempts after a long etcd outage, and the node with it.
-        self._client._manager.grpc_options.extend(RECONNECT_BACKOFF)
+        # from this list in connect(). Without RECONNECT_BACKOFF the channel waits up to
+        # 120 s between attempts after a long etcd outage, and the node with it; see
+        # KEEPALIVE_OPTIONS for the rest. Ours replace etcd3aio's own keepalive options
+        # rather than follow them, so no option appears twice.
+        options = self._client._manager.grpc_options
+        ours = (*RECONNECT_BACKOFF, *KEEPALIVE_OPTIONS)
+        names = {name for name, _ in ours}
+        options[:] = [option for option in options if option[0] not in names]
+        options.extend(ours)
 
     @property
     def endpoints(self) -> list[str]:
@@ -147,13 +184,20 @@ class Etcd:
 
     async def get(self, key: str) -> tuple[Entry | None, int]:
         """The entry at `key` (None if absent) and the revision it was read at."""
-        response = await self._call("get", self._kv.get(key, timeout=CALL_TIMEOUT_S))
+        response = await self._hedged(
+            lambda timeout: self._call("get", self._kv.get(key, timeout=timeout)),
+            CALL_TIMEOUT_S,
+            READ_HEDGE_S,
+        )
         kvs = list(response.kvs)
         return (_entry(kvs[0]) if kvs else None), int(response.header.revision)
 
     async def get_prefix(self, prefix: str) -> Snapshot:
-        response = await self._call(
-            "get", self._kv.get(prefix, prefix_range_end(prefix), timeout=CALL_TIMEOUT_S)
+        end = prefix_range_end(prefix)
+        response = await self._hedged(
+            lambda timeout: self._call("get", self._kv.get(prefix, end, timeout=timeout)),
+            CALL_TIMEOUT_S,
+            READ_HEDGE_S,
         )
         return Snapshot([_entry(kv) for kv in response.kvs], int(response.header.revision))
 
@@ -203,18 +247,28 @@ class Etcd:
         return int(response.ID), int(response.TTL)
 
     async def keepalive(self, lease: int, timeout_s: float) -> int:
-        """Renews `lease` once; its TTL from now, or 0 when etcd no longer has it."""
-        call = self._lease.keep_alive(lease)
-        try:
-            response = await self._call("lease keepalive", _first(call), timeout_s=timeout_s)
-        finally:
-            call.cancel()
-        return int(response.TTL) if response is not None else 0
+        """Renews `lease` once; its TTL from now, or 0 when etcd no longer has it.
+        Hedged after half of `timeout_s` (a renewal is idempotent): a node whose
+        renewals went to a hung member twice running would stop serving."""
+
+        async def renew(within_s: float) -> int:
+            call = self._lease.keep_alive(lease)
+            try:
+                response = await self._call("lease keepalive", _first(call), timeout_s=within_s)
+            finally:
+                call.cancel()
+            return int(response.TTL) if response is not None else 0
+
+        return await self._hedged(renew, timeout_s, timeout_s / 2)
 
     async def revoke(self, lease: int) -> None:
         """Revokes `lease` (deleting its keys); a lease etcd no longer has is fine."""
         try:
-            await self._call("lease revoke", self._lease.revoke(lease, timeout=CALL_TIMEOUT_S))
+            await self._call(
+                "lease revoke",
+                self._lease.revoke(lease, timeout=CALL_TIMEOUT_S),
+                pass_not_found=True,
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise EtcdUnavailable(f"etcd lease revoke failed: {exc.details()}") from None
@@ -261,10 +315,47 @@ class Etcd:
         assert self._client.lease is not None, "open() first"
         return self._client.lease
 
-    async def _call(self, what: str, call: Any, *, timeout_s: float | None = None) -> Any:
+    async def _hedged(
+        self, attempt: Callable[[float], Awaitable[T]], timeout_s: float, hedge_s: float
+    ) -> T:
+        """An idempotent call (`attempt(timeout)` makes one), hedged: one unanswered
+        after `hedge_s` is made again, in parallel, and the first answer wins; both
+        end within `timeout_s`. Until the channel has taken a hung member out (see
+        KEEPALIVE_OPTIONS) a third of the calls go to it and wait out their deadline;
+        the second attempt most likely goes to another member (round robin), while a
+        call that is only slow (a large prefix) still gets its whole `timeout_s`. Reads
+        and lease renewals only: a write that did not answer may have been applied, and
+        a second one is not the same call (a create would find its own key)."""
+        attempts = [asyncio.ensure_future(attempt(timeout_s))]
+        try:
+            done, _ = await asyncio.wait(attempts, timeout=hedge_s)
+            if done:
+                return attempts[0].result()
+            attempts.append(asyncio.ensure_future(attempt(timeout_s - hedge_s)))
+            failure: EtcdUnavailable | None = None
+            for answer in asyncio.as_completed(attempts):
+                try:
+                    return await answer
+                except EtcdUnavailable as exc:
+                    failure = exc
+            assert failure is not None
+            raise failure
+        finally:  # the attempt not used, or both when the caller was cancelled
+            for task in attempts:
+                if not task.done():
+                    task.cancel()
+                elif not task.cancelled():
+                    task.exception()  # retrieved, so never logged as unhandled
+
+    async def _call(
+        self, what: str, call: Any, *, timeout_s: float | None = None, pass_not_found: bool = False
+    ) -> Any:
         """Awaits one etcd call, turning every way it can fail into EtcdUnavailable
-        (non-transient gRPC errors other than NOT_FOUND included: to a broker they all
-        mean "etcd cannot do this now")."""
+        (non-transient gRPC errors included: to a broker they all mean "etcd cannot do
+        this now"). NOT_FOUND too unless `pass_not_found`: a write on a lease that
+        expired meanwhile gets it ("requested lease not found", e.g. a node's join whose
+        create outlived its new lease's TTL), and its caller retries as for any other
+        failure rather than end on an unexpected error."""
         try:
             if timeout_s is None:
                 return await call
@@ -276,7 +367,7 @@ class Etcd:
         except EtcdError as exc:
             raise EtcdUnavailable(f"etcd ({', '.join(self._endpoints)}): {what}: {exc}") from None
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:
+            if pass_not_found and exc.code() == grpc.StatusCode.NOT_FOUND:
                 raise
             raise EtcdUnavailable(
                 f"etcd ({', '.join(self._endpoints)}): {what}: {exc.code().name} {exc.details()}"

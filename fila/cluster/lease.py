@@ -21,6 +21,13 @@ still has it, else with a new lease and a new membership key (`_join`). A node i
 claimed with a create-if-absent transaction, so two live processes can never both
 hold one id; a key held by the lease this data directory recorded last belongs to
 this node's own dead predecessor and is revoked at once (see `fila.cluster.identity`).
+
+Nor may two live nodes advertise one address: the others forward a node's calls to
+the address in its record, so the second would receive the first's calls (and the
+first the second's). A node whose `advertise_addr` another live node id holds does not
+join; it waits as for a held node id (a predecessor at that address under another id
+is gone once its lease expires), then refuses to start (`AddressTaken`). Its own id's
+record does not count, so a node restarting, or replaced under its id, joins as ever.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from typing import Final
 from fila.cluster.errors import Fenced
 from fila.cluster.etcd import Etcd, EtcdUnavailable
 from fila.cluster.identity import Identity
-from fila.cluster.layout import Layout, NodeRecord
+from fila.cluster.layout import NODES, Layout, NodeRecord
 from fila.core.errors import BrokerError
 
 log = logging.getLogger("fila.cluster")
@@ -46,6 +53,11 @@ HELD_RETRY_S: Final = 0.5  # while another live process holds this node id
 
 class NodeIdTaken(BrokerError):
     """Another live node holds this node id in etcd."""
+
+
+class AddressTaken(BrokerError):
+    """Another live node (another id) advertises this node's `advertise_addr`: a
+    configuration error (see the module docstring)."""
 
 
 class NodeLease:
@@ -60,6 +72,7 @@ class NodeLease:
     ) -> None:
         self._etcd = etcd
         self._key = layout.node(record.node_id)
+        self._nodes = layout.section(NODES)
         self._record = record
         self._ttl_s = max(1, math.ceil(ttl_ms / 1000))
         self._ttl_ms = ttl_ms
@@ -96,17 +109,24 @@ class NodeLease:
 
     async def acquire(self, patience_s: float) -> None:
         """Joins the cluster at startup. Raises EtcdUnavailable once etcd did not answer
-        for `patience_s`, and NodeIdTaken once another holder of this node id outlived
-        two lease TTLs (a dead one's lease would have expired by then)."""
+        for `patience_s`, and NodeIdTaken (AddressTaken) once another holder of this
+        node id (another node at this node's address) outlived two lease TTLs (a dead
+        one's lease would have expired by then)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + patience_s
         held_until: float | None = None
         while True:
             try:
-                if await self._join():
+                other = await self._same_address()
+                if other is None and await self._join():
                     return
-                held_until = held_until or loop.time() + 2 * self._ttl_s + 1
+                if held_until is None:
+                    held_until = loop.time() + 2 * self._ttl_s + 1
+                    if other is not None:  # why startup waits: said once, at once
+                        log.warning("not joining yet: %s", self._address_message(other))
                 if loop.time() >= held_until:
+                    if other is not None:
+                        raise AddressTaken(self._address_message(other))
                     raise NodeIdTaken(self._held_message())
             except EtcdUnavailable:
                 if loop.time() >= deadline:
@@ -123,7 +143,10 @@ class NodeLease:
             for _attempt in range(2):
                 created = await self._etcd.create(self._key, self._record.encode(), lease=lease)
                 holder = created.entry
-                if created.created:
+                # The key on the lease just granted (only this process knows it) is ours:
+                # a create whose connection closed under it (a hung etcd member's, see
+                # fila.cluster.etcd) is made again by etcd3aio, and finds its own key.
+                if created.created or (holder is not None and holder.lease == lease):
                     self._lease = self._previous = lease
                     self._renewed(sent, granted)
                     log.info(
@@ -141,6 +164,29 @@ class NodeLease:
             raise
         await self._revoke_quietly(lease)
         return False
+
+    async def _same_address(self) -> NodeRecord | None:
+        """A live node with another id whose record advertises this node's address."""
+        snapshot = await self._etcd.get_prefix(self._nodes)
+        for entry in snapshot.entries:
+            try:
+                record = NodeRecord.decode(entry.value)
+            except (ValueError, KeyError, TypeError):  # json's errors are ValueErrors
+                continue  # not ours to judge here (fila.cluster.nodes logs it)
+            if (
+                record.node_id != self.node_id
+                and record.advertise_addr == self._record.advertise_addr
+            ):
+                return record
+        return None
+
+    def _address_message(self, other: NodeRecord) -> str:
+        return (
+            f"advertise_addr {self._record.advertise_addr} is advertised by live node "
+            f"{other.node_id}: every node needs an address of its own (the others "
+            f"forward its calls there). Give node {self.node_id} its own advertise_addr "
+            "(or FILA_ADVERTISE_ADDR)"
+        )
 
     def _held_message(self) -> str:
         return (

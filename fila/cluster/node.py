@@ -55,6 +55,7 @@ class ClusterNode:
     def __init__(self, config: Config, broker: Broker, storage: Storage, committer: Committer):
         cluster = config.cluster
         self.node_id = cluster.node_id
+        self._addr = cluster.advertise_addr
         self._broker = broker
         self._storage = storage
         self._etcd = Etcd(cluster.etcd_endpoints)
@@ -89,7 +90,8 @@ class ClusterNode:
 
     async def start(self) -> None:
         """Joins the cluster (see the module docstring). Raises BrokerError subclasses
-        (IdentityMismatch, NodeIdTaken, EtcdUnavailable) worded for the operator."""
+        (IdentityMismatch, NodeIdTaken, AddressTaken, EtcdUnavailable) worded for the
+        operator."""
         Identity(self._storage, self._broker.committer).claim_node_id(self.node_id)
         await self._etcd.open()
         self.config.forget_local()
@@ -159,6 +161,15 @@ class ClusterNode:
     def _node_changed(self, node_id: int, record: NodeRecord | None) -> None:
         if node_id == self.node_id and record is None and self.lease.serving:
             self.lease.key_deleted()
+        if record is not None and node_id != self.node_id and record.advertise_addr == self._addr:
+            # Startup refuses this (fila.cluster.lease), but two nodes starting at once
+            # both find the address free: say so loudly, on both.
+            log.error(
+                "node %d advertises this node's address %s: calls the others forward to "
+                "either node may reach the other; give each node its own advertise_addr",
+                node_id,
+                self._addr,
+            )
 
 
 def peer_credentials(config: Config) -> grpc.ChannelCredentials | None:

@@ -165,13 +165,16 @@ async def serve(config: Config) -> ExitCode:
             ExitCode.DATA_DAMAGED,
         ) from None
     if cluster is not None:
+        from fila.cluster.lease import AddressTaken  # loaded with ClusterNode already
+
         try:
             await cluster.start()
         except BrokerError as exc:
             await cluster.close()
             committer.close()
             storage.close()
-            raise StartupError(f"cannot join the cluster: {exc}") from None
+            code = ExitCode.BAD_CONFIG if isinstance(exc, AddressTaken) else ExitCode.STARTUP_FAILED
+            raise StartupError(f"cannot join the cluster: {exc}", code) from None
 
     try:
         telemetry = start_telemetry(config, broker, committer)
