@@ -116,6 +116,9 @@ class ServerSection:
     max_connections: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 1024
     idle_connection_timeout_ms: Annotated[int, AtLeast(1000)] = 300_000
     handshake_timeout_ms: Annotated[int, AtLeast(100)] = 5_000
+    # gRPC takes these as C ints of milliseconds; a day is far beyond any use.
+    keepalive_interval_ms: Annotated[int, AtLeast(1000), AtMost(86_400_000)] = 30_000
+    keepalive_timeout_ms: Annotated[int, AtLeast(100), AtMost(86_400_000)] = 10_000
 
 
 @dataclass(frozen=True, slots=True)

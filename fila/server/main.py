@@ -41,7 +41,7 @@ from fila.core.errors import BrokerError
 from fila.core.recovery import recover
 from fila.server import admin, service
 from fila.server.auth import auth_interceptors, load_keyring
-from fila.server.limits import connection_cap, raise_open_files_limit
+from fila.server.limits import connection_cap, raise_open_files_limit, streams_per_connection
 from fila.server.memory import HeapTrimmer
 from fila.server.readers import StreamReaders
 from fila.server.tls import CertificateFiles, TlsFileError
@@ -77,7 +77,10 @@ class StartupError(Exception):
 
 
 def server_options(config: Config, max_connections: int) -> list[tuple[str, int]]:
+    """gRPC's channel arguments for the listener; the transport limits are described
+    in docs/operations.md ("Connections and their limits")."""
     server = config.server
+    keepalive_timeout = server.keepalive_timeout_ms
     return [
         # Requests larger than the broker could accept are refused before being read
         # in full, so an unauthenticated peer cannot make the broker hold more.
@@ -88,11 +91,28 @@ def server_options(config: Config, max_connections: int) -> list[tuple[str, int]
         ("grpc.max_allowed_incoming_connections", max_connections),
         ("grpc.server_handshake_timeout_ms", server.handshake_timeout_ms),
         ("grpc.max_connection_idle_ms", server.idle_connection_timeout_ms),
-        # Detect consumers that vanished without closing their connection.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # Every connection is pinged, with calls in flight or not: a consumer that
+        # vanished without closing its connection is noticed, and so is a peer that
+        # holds a connection slot without answering.
+        ("grpc.keepalive_time_ms", server.keepalive_interval_ms),
         ("grpc.keepalive_permit_without_calls", 1),
+        # gRPC 1.85's server does not act on its keepalive timeout (a peer that left
+        # the PING at 30 s unanswered was still connected at 55 s); what closes such a
+        # connection is gRPC's ping timeout (60 s by default).
+        ("grpc.keepalive_timeout_ms", keepalive_timeout),
+        ("grpc.http2.ping_timeout_ms", keepalive_timeout),
+        # A peer that sends the HTTP/2 preface and SETTINGS, then nothing, never
+        # acknowledges the broker's SETTINGS either: closed after this (default 60 s).
+        ("grpc.http2.settings_timeout", keepalive_timeout),
+        ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
+        # Rapid reset (CVE-2023-44487): see fila.server.limits.STREAMS_PER_CONNECTION.
+        (
+            "grpc.max_concurrent_streams",
+            streams_per_connection(max_connections, config.cluster.enabled),
+        ),
+        # gRPC's default, stated because the limit relies on it: streams the peer
+        # reset but whose calls are not finished still count against the limit.
+        ("grpc.http.overload_protection", 1),
     ]
 
 
