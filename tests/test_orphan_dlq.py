@@ -37,6 +37,7 @@ from fila.core.broker import Broker, BrokerSettings
 from fila.core.errors import InvalidArgument, QueueAlreadyExists
 from fila.core.queue import QueueRecord
 from fila.core.recovery import RecoveryReport, recover
+from fila.server.process import ServerProcess
 from fila.storage import keys
 from fila.storage.backend import Batch, RocksStorage
 from fila.storage.committer import Committer
@@ -100,6 +101,17 @@ async def _orphaned(config: Config | None = None) -> tuple[CoreBroker, RecoveryR
 def _stored(core: CoreBroker, name: str) -> QueueRecord | None:
     raw = core.storage.get(keys.queue_key(name))
     return None if raw is None else QueueRecord.decode(raw)
+
+
+def _lose_queue_record(server: ServerProcess, name: str) -> None:
+    """Deletes queue `name`'s record from a stopped broker's storage, as damage would."""
+    storage = RocksStorage(server.data_dir)
+    try:
+        batch = Batch()
+        batch.delete(keys.queue_key(name))
+        storage.write(batch)
+    finally:
+        storage.close()
 
 
 def test_creating_a_queue_again_adopts_its_orphaned_dlq_and_a_restart_brings_all_back(
@@ -198,13 +210,7 @@ def test_a_real_broker_takes_back_a_queue_whose_record_a_repair_lost(
         for i in range(5):
             fila.enqueue("orders", b"m%d" % i)
     server.stop()
-    storage = RocksStorage(server.data_dir)
-    try:
-        batch = Batch()
-        batch.delete(keys.queue_key("orders"))
-        storage.write(batch)
-    finally:
-        storage.close()
+    _lose_queue_record(server, "orders")
 
     server.start()
     assert "dead-letter queue's queue does not exist" in server.log_text()
@@ -300,13 +306,7 @@ def test_a_real_broker_recreates_a_dlq_whose_record_a_repair_lost(
         assert fila.stats("orders.dlq").depth == 1
         fila.enqueue("orders", b"next")
     server.stop()
-    storage = RocksStorage(server.data_dir)
-    try:
-        batch = Batch()
-        batch.delete(keys.queue_key("orders.dlq"))
-        storage.write(batch)
-    finally:
-        storage.close()
+    _lose_queue_record(server, "orders.dlq")
 
     server.start()
     assert "dead-letter queue had no record" in server.log_text()

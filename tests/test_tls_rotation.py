@@ -36,6 +36,22 @@ def _install(source: Path, target: Path) -> None:
     partial.replace(target)
 
 
+def _mtls(served: Path, client: dict[str, Path]) -> tuple[str, grpc.ChannelCredentials]:
+    """A [tls] section requiring client certificates, naming `served`'s server.pem,
+    server.key and ca.pem; and credentials that trust `client`'s CA and present its
+    client certificate."""
+    config = (
+        f'[tls]\ncert_file = "{served / "server.pem"}"\nkey_file = "{served / "server.key"}"\n'
+        f'ca_file = "{served / "ca.pem"}"\n'
+    )
+    creds = grpc.ssl_channel_credentials(
+        client["ca.pem"].read_bytes(),
+        private_key=client["client.key"].read_bytes(),
+        certificate_chain=client["client.pem"].read_bytes(),
+    )
+    return config, creds
+
+
 @pytest.fixture
 def certs(tmp_path: Path) -> tuple[dict[str, Path], dict[str, Path], Path]:
     """Two unrelated CAs' files (old, new), and a directory the broker's [tls] names."""
@@ -86,15 +102,7 @@ def test_a_rotated_client_ca_decides_which_client_certificates_are_taken(
     old, new, live = certs
     for name in ("server.pem", "server.key", "ca.pem"):
         _install(old[name], live / name)
-    config = (
-        f'[tls]\ncert_file = "{live / "server.pem"}"\nkey_file = "{live / "server.key"}"\n'
-        f'ca_file = "{live / "ca.pem"}"\n'
-    )
-    creds = grpc.ssl_channel_credentials(
-        old["ca.pem"].read_bytes(),
-        private_key=old["client.key"].read_bytes(),
-        certificate_chain=old["client.pem"].read_bytes(),
-    )
+    config, creds = _mtls(live, old)
     with ServerProcess(tmp_path / "data", config_toml=config, channel_credentials=creds) as srv:
         old_client = (old["client.pem"], old["client.key"])
         new_client = (new["client.pem"], new["client.key"])
@@ -113,15 +121,7 @@ def test_failed_handshakes_write_no_log_lines_unless_asked(
     tmp_path: Path, certs: tuple[dict[str, Path], dict[str, Path], Path], verbosity: str | None
 ) -> None:
     old, new, _ = certs
-    config = (
-        f'[tls]\ncert_file = "{old["server.pem"]}"\nkey_file = "{old["server.key"]}"\n'
-        f'ca_file = "{old["ca.pem"]}"\n'
-    )
-    creds = grpc.ssl_channel_credentials(
-        old["ca.pem"].read_bytes(),
-        private_key=old["client.key"].read_bytes(),
-        certificate_chain=old["client.pem"].read_bytes(),
-    )
+    config, creds = _mtls(old["ca.pem"].parent, old)
     env = {"GRPC_VERBOSITY": verbosity} if verbosity else None
     srv = ServerProcess(tmp_path / "data", config_toml=config, channel_credentials=creds, env=env)
     with srv:
