@@ -18,8 +18,9 @@ What is shown here, and how:
   off from a three-member etcd cluster by its network namespace (it stops serving
   within the lease TTL, no queue is served by two nodes, it serves again when the
   link returns); one of three etcd members hung (the nodes leave it out within
-  seconds); a node joining; a duplicate node id, a live node's address and a data
-  directory of another node refused at startup.
+  seconds); a node joining; a duplicate node id and a live node's address refused at
+  startup as configuration errors (exit code 2), and a data directory of another node
+  refused.
 Without `[cluster]` nothing changes (the last test, and every other test file).
 
 Marked `cluster` (about two minutes in all): deselect with `-m "not cluster"`.
@@ -1262,6 +1263,55 @@ def test_a_node_at_another_live_nodes_address_is_refused(tmp_path: Path) -> None
             twin.start(timeout=30)
             expected = [(1, made.node(1).addr), (3, taken)]
             wait_until(lambda: nodes_up() == expected, 5, what="node 3 up at node 2's address")
+        finally:
+            if twin.running:
+                twin.stop()
+
+
+def _live_nodes(made: Cluster) -> list[tuple[int, str]]:
+    status = made.fila(1).admin.ClusterStatus(admin_pb2.ClusterStatusRequest())
+    return [(n.node_id, n.advertise_addr) for n in status.nodes if n.up]
+
+
+def _refused_as_bad_config(twin: ServerProcess) -> tuple[str, float]:
+    """Starts `twin`, which must exit with code 2 (a configuration error) before it
+    serves; its error and how long it took to give up."""
+    began = time.monotonic()
+    with pytest.raises(ServerStartError, match="exited with code 2 before serving") as no:
+        twin.start(timeout=30)
+    return str(no.value), time.monotonic() - began
+
+
+def test_a_second_live_node_with_one_node_id_is_refused_as_a_configuration_error(
+    tmp_path: Path,
+) -> None:
+    """A node started with the id of a live node (a copied config, a FILA_NODE_ID
+    reused) exited with code 1, which systemd restarts (Restart=on-failure) into the
+    same refusal, forever; it is a configuration error, exit code 2, as a live node's
+    address is. It says at once why it waits, waits as for a dead predecessor (2 TTL +
+    1 s), then names the node holding the id. That wait is why: a node replaced under
+    its id (new data directory, so no recorded lease to revoke) whose predecessor died
+    joins once etcd has counted the predecessor down."""
+    with cluster(tmp_path, 2) as made:
+        holder = made.node(2).addr
+        port = free_port()
+        twin = ServerProcess(
+            tmp_path / "twin" / "data",
+            config_toml=node_config(2, f"127.0.0.1:{port}", made.etcd.endpoints),
+            port=port,
+        )
+        try:
+            error, took = _refused_as_bad_config(twin)
+            assert f"node id 2 is held in etcd by another live node (at {holder}, " in error
+            assert "Give this node an id of its own" in error
+            assert took >= 2 * LEASE_TTL_MS / 1000 + 1  # a dead holder's lease expires first
+            assert "not joining yet: node id 2 is held" in twin.log_text()
+            assert _live_nodes(made) == [(1, made.node(1).addr), (2, holder)]
+
+            made.node(2).kill()  # its lease outlives it by up to the TTL
+            twin.start(timeout=30)
+            expected = [(1, made.node(1).addr), (2, twin.addr)]
+            wait_until(lambda: _live_nodes(made) == expected, 5, what="node 2 replaced")
         finally:
             if twin.running:
                 twin.stop()

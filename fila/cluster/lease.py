@@ -22,12 +22,21 @@ claimed with a create-if-absent transaction, so two live processes can never bot
 hold one id; a key held by the lease this data directory recorded last belongs to
 this node's own dead predecessor and is revoked at once (see `fila.cluster.identity`).
 
+A node id held by another lease at startup is waited out: a dead predecessor's lease
+(one this data directory did not record: a node replaced with a new disk, say) expires
+within its TTL, so after two TTLs (plus a second) a holder is a live node with this id,
+and the node refuses to start (`NodeIdTaken`), naming that node's address.
+
 Nor may two live nodes advertise one address: the others forward a node's calls to
 the address in its record, so the second would receive the first's calls (and the
 first the second's). A node whose `advertise_addr` another live node id holds does not
 join; it waits as for a held node id (a predecessor at that address under another id
 is gone once its lease expires), then refuses to start (`AddressTaken`). Its own id's
 record does not count, so a node restarting, or replaced under its id, joins as ever.
+
+Both refusals are `Misconfigured`: `fila-server` exits with code 2, a configuration
+error, which systemd does not restart into the same refusal (deploy/fila.service).
+Either way the node says why as soon as it starts waiting, not only when it gives up.
 """
 
 from __future__ import annotations
@@ -51,11 +60,17 @@ RETRY_S: Final = 0.2  # between attempts while etcd does not answer
 HELD_RETRY_S: Final = 0.5  # while another live process holds this node id
 
 
-class NodeIdTaken(BrokerError):
+class Misconfigured(BrokerError):
+    """Startup refused because of this node's configuration, which only the operator
+    can change: `fila-server` exits with code 2 (not 1), so that a supervisor does not
+    restart the node into the same refusal."""
+
+
+class NodeIdTaken(Misconfigured):
     """Another live node holds this node id in etcd."""
 
 
-class AddressTaken(BrokerError):
+class AddressTaken(Misconfigured):
     """Another live node (another id) advertises this node's `advertise_addr`: a
     configuration error (see the module docstring)."""
 
@@ -85,6 +100,7 @@ class NodeLease:
         self._timer: asyncio.TimerHandle | None = None
         self._repair = asyncio.Event()
         self._holder = 0  # the lease holding our id when a join found it taken
+        self._holder_record: NodeRecord | None = None  # and the record it holds
         self._served = False
         self._leaving = False
 
@@ -120,14 +136,15 @@ class NodeLease:
                 other = await self._same_address()
                 if other is None and await self._join():
                     return
+                message = (
+                    self._address_message(other) if other is not None else self._held_message()
+                )
                 if held_until is None:
                     held_until = loop.time() + 2 * self._ttl_s + 1
-                    if other is not None:  # why startup waits: said once, at once
-                        log.warning("not joining yet: %s", self._address_message(other))
+                    # Why startup waits: said once, at once (the refusal comes 2 TTLs later).
+                    log.warning("not joining yet: %s", message)
                 if loop.time() >= held_until:
-                    if other is not None:
-                        raise AddressTaken(self._address_message(other))
-                    raise NodeIdTaken(self._held_message())
+                    raise AddressTaken(message) if other is not None else NodeIdTaken(message)
             except EtcdUnavailable:
                 if loop.time() >= deadline:
                     raise
@@ -154,6 +171,7 @@ class NodeLease:
                     )
                     return True
                 self._holder = holder.lease if holder is not None else 0
+                self._holder_record = _decoded(holder.value) if holder is not None else None
                 if not (self._previous and self._holder == self._previous):
                     break
                 # Our own dead predecessor's lease: end it now instead of waiting it out.
@@ -168,13 +186,10 @@ class NodeLease:
     async def _same_address(self) -> NodeRecord | None:
         """A live node with another id whose record advertises this node's address."""
         snapshot = await self._etcd.get_prefix(self._nodes)
-        for entry in snapshot.entries:
-            try:
-                record = NodeRecord.decode(entry.value)
-            except (ValueError, KeyError, TypeError):  # json's errors are ValueErrors
-                continue  # not ours to judge here (fila.cluster.nodes logs it)
+        for record in map(_decoded, (entry.value for entry in snapshot.entries)):
             if (
-                record.node_id != self.node_id
+                record is not None
+                and record.node_id != self.node_id
                 and record.advertise_addr == self._record.advertise_addr
             ):
                 return record
@@ -189,10 +204,13 @@ class NodeLease:
         )
 
     def _held_message(self) -> str:
+        other = self._holder_record
+        where = f"at {other.advertise_addr}, " if other is not None else ""
         return (
-            f"node id {self.node_id} is held in etcd by another live node (lease "
-            f"{self._holder:x}): node ids must be unique; if that node is gone, "
-            f"its lease expires within {self._ttl_s}s"
+            f"node id {self.node_id} is held in etcd by another live node ({where}lease "
+            f"{self._holder:x}): node ids must be unique (a dead node's lease expires "
+            f"within {self._ttl_s}s). Give this node an id of its own (node_id or "
+            "FILA_NODE_ID)"
         )
 
     async def _revoke_quietly(self, lease: int) -> None:
@@ -295,3 +313,11 @@ class NodeLease:
         if self._lease:
             lease, self._lease = self._lease, 0
             await self._revoke_quietly(lease)
+
+
+def _decoded(raw: bytes) -> NodeRecord | None:
+    """A membership key's record; None if unreadable (fila.cluster.nodes logs those)."""
+    try:
+        return NodeRecord.decode(raw)
+    except (ValueError, KeyError, TypeError):  # json's errors are ValueErrors
+        return None

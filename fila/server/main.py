@@ -185,7 +185,7 @@ async def serve(config: Config) -> ExitCode:
             ExitCode.DATA_DAMAGED,
         ) from None
     if cluster is not None:
-        from fila.cluster.lease import AddressTaken  # loaded with ClusterNode already
+        from fila.cluster.lease import Misconfigured  # loaded with ClusterNode already
 
         try:
             await cluster.start()
@@ -193,7 +193,10 @@ async def serve(config: Config) -> ExitCode:
             await cluster.close()
             committer.close()
             storage.close()
-            code = ExitCode.BAD_CONFIG if isinstance(exc, AddressTaken) else ExitCode.STARTUP_FAILED
+            # A node id or an address another live node holds is the configuration's
+            # fault, not this start's: exit 2, which systemd does not retry.
+            bad_config = isinstance(exc, Misconfigured)
+            code = ExitCode.BAD_CONFIG if bad_config else ExitCode.STARTUP_FAILED
             raise StartupError(f"cannot join the cluster: {exc}", code) from None
 
     try:
