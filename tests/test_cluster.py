@@ -18,9 +18,9 @@ What is shown here, and how:
   off from a three-member etcd cluster by its network namespace (it stops serving
   within the lease TTL, no queue is served by two nodes, it serves again when the
   link returns); one of three etcd members hung (the nodes leave it out within
-  seconds); a node joining; a duplicate node id and a live node's address refused at
-  startup as configuration errors (exit code 2), and a data directory of another node
-  refused.
+  seconds); a node joining; a duplicate node id and a live node's address (however
+  written) refused at startup as configuration errors (exit code 2), and a data
+  directory of another node refused.
 Without `[cluster]` nothing changes (the last test, and every other test file).
 
 Marked `cluster` (about two minutes in all): deselect with `-m "not cluster"`.
@@ -1315,6 +1315,96 @@ def test_a_second_live_node_with_one_node_id_is_refused_as_a_configuration_error
         finally:
             if twin.running:
                 twin.stop()
+
+
+def test_a_live_nodes_address_written_another_way_is_refused(tmp_path: Path) -> None:
+    """advertise_addr was compared as text: node 3 at "LOCALHOST:<port>" joined while
+    node 2 advertised "127.0.0.1:<port>", one listener that both nodes' forwarded calls
+    reached. Addresses are compared by the socket address they name, so node 3 is
+    refused (exit code 2) naming node 2 and how node 2 wrote it. A host name that does
+    not resolve is compared as text, with a warning, and its node starts."""
+    with cluster(tmp_path, 2) as made:
+        taken = made.node(2).addr
+        port = int(taken.rpartition(":")[2])
+        spelled = f"LOCALHOST:{port}"
+        if not socket.gethostbyname("localhost").startswith("127."):
+            pytest.skip("localhost does not resolve to a loopback address here")
+        twin = ServerProcess(
+            tmp_path / "twin" / "data",
+            config_toml=node_config(3, spelled, made.etcd.endpoints),
+            port=free_port(),
+        )
+        elsewhere = ServerProcess(
+            tmp_path / "elsewhere" / "data",
+            config_toml=node_config(4, f"node-4.fila-test.invalid:{port}", made.etcd.endpoints),
+            port=free_port(),
+        )
+        try:
+            error, _took = _refused_as_bad_config(twin)
+            assert f"advertise_addr {spelled} is advertised by live node 2 (as {taken})" in error
+            assert _live_nodes(made) == [(1, made.node(1).addr), (2, taken)]
+
+            elsewhere.start(timeout=30)
+            assert "node-4.fila-test.invalid:" in elsewhere.log_text()
+            assert "does not resolve here" in elsewhere.log_text()
+            wait_until(lambda: len(_live_nodes(made)) == 3, 5, what="node 4 up")
+        finally:
+            for proc in (twin, elsewhere):
+                if proc.running:
+                    proc.stop()
+
+
+def test_advertise_addresses_are_compared_by_the_socket_address_they_name() -> None:
+    """The one comparison (fila.cluster.address), without processes: spellings of one
+    socket address are one; a name that does not resolve, or whose resolver does not
+    answer, is compared as text, and the event loop runs on meanwhile."""
+    from fila.cluster.address import Addresses
+
+    async def scenario() -> None:
+        addresses = Addresses()
+        same = [
+            ("[::1]:5555", "[0:0:0:0:0:0:0:1]:5555"),
+            ("[::1]:5555", "::1:5555"),
+            ("127.0.0.1:5555", "127.0.0.1:05555"),
+            ("[::ffff:127.0.0.1]:5555", "127.0.0.1:5555"),
+            ("Node-1.fila-test.invalid:5555", "node-1.fila-test.invalid.:5555"),
+        ]
+        if socket.gethostbyname("localhost").startswith("127.0.0.1"):
+            same.append(("127.0.0.1:5555", "LocalHost:5555"))
+        for a, b in same:
+            assert await addresses.same(a, b), (a, b)
+        for a, b in [
+            ("127.0.0.1:5555", "127.0.0.1:5556"),
+            ("127.0.0.1:5555", "127.0.0.2:5555"),
+            ("a.fila-test.invalid:5555", "b.fila-test.invalid:5555"),
+        ]:
+            assert not await addresses.same(a, b), (a, b)
+
+        loop = asyncio.get_running_loop()
+
+        async def silent(*_args: object, **_kwargs: object) -> list[Any]:
+            await asyncio.Event().wait()  # a resolver that never answers
+            return []
+
+        loop.getaddrinfo = silent  # type: ignore[method-assign]
+        ticks = 0
+
+        async def tick() -> None:
+            nonlocal ticks
+            while True:
+                ticks += 1
+                await asyncio.sleep(0.01)
+
+        ticker = loop.create_task(tick())
+        slow = Addresses(timeout_s=0.3)
+        began = loop.time()
+        async with asyncio.timeout(5):  # a comparison that waits on the resolver fails
+            assert await slow.same("x.example:1", "X.example.:1")
+            assert not await slow.same("x.example:1", "y.example:1")
+        assert loop.time() - began < 2 and ticks >= 10
+        ticker.cancel()
+
+    asyncio.run(scenario())
 
 
 def test_a_node_cut_off_from_etcd_stops_serving_and_no_queue_has_two_servers(

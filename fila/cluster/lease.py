@@ -29,10 +29,12 @@ and the node refuses to start (`NodeIdTaken`), naming that node's address.
 
 Nor may two live nodes advertise one address: the others forward a node's calls to
 the address in its record, so the second would receive the first's calls (and the
-first the second's). A node whose `advertise_addr` another live node id holds does not
-join; it waits as for a held node id (a predecessor at that address under another id
-is gone once its lease expires), then refuses to start (`AddressTaken`). Its own id's
-record does not count, so a node restarting, or replaced under its id, joins as ever.
+first the second's). Addresses are compared by the socket address they name, not as
+text (`fila.cluster.address`). A node whose `advertise_addr` another live node id
+holds does not join; it waits as for a held node id (a predecessor at that address
+under another id is gone once its lease expires), then refuses to start
+(`AddressTaken`). Its own id's record does not count, so a node restarting, or
+replaced under its id, joins as ever.
 
 Both refusals are `Misconfigured`: `fila-server` exits with code 2, a configuration
 error, which systemd does not restart into the same refusal (deploy/fila.service).
@@ -48,6 +50,7 @@ import math
 from collections.abc import Callable
 from typing import Final
 
+from fila.cluster.address import Addresses
 from fila.cluster.errors import Fenced
 from fila.cluster.etcd import Etcd, EtcdUnavailable
 from fila.cluster.identity import Identity
@@ -84,6 +87,7 @@ class NodeLease:
         ttl_ms: int,
         identity: Identity,
         on_fenced: Callable[[BrokerError], None],
+        addresses: Addresses | None = None,
     ) -> None:
         self._etcd = etcd
         self._key = layout.node(record.node_id)
@@ -93,6 +97,7 @@ class NodeLease:
         self._ttl_ms = ttl_ms
         self._identity = identity
         self._on_fenced = on_fenced
+        self._addresses = addresses or Addresses()
         self._lease = 0
         self._previous = identity.last_lease()
         self._valid_until = 0.0
@@ -184,23 +189,28 @@ class NodeLease:
         return False
 
     async def _same_address(self) -> NodeRecord | None:
-        """A live node with another id whose record advertises this node's address."""
+        """A live node with another id whose record advertises this node's address
+        (however it is written: `fila.cluster.address`)."""
         snapshot = await self._etcd.get_prefix(self._nodes)
-        for record in map(_decoded, (entry.value for entry in snapshot.entries)):
-            if (
-                record is not None
-                and record.node_id != self.node_id
-                and record.advertise_addr == self._record.advertise_addr
-            ):
-                return record
-        return None
+        others = [
+            record
+            for record in map(_decoded, (entry.value for entry in snapshot.entries))
+            if record is not None and record.node_id != self.node_id
+        ]
+        own = self._record.advertise_addr
+        same = await asyncio.gather(
+            *(self._addresses.same(own, record.advertise_addr) for record in others)
+        )
+        return next((record for record, hit in zip(others, same, strict=True) if hit), None)
 
     def _address_message(self, other: NodeRecord) -> str:
+        own = self._record.advertise_addr
+        written = "" if other.advertise_addr == own else f" (as {other.advertise_addr})"
         return (
-            f"advertise_addr {self._record.advertise_addr} is advertised by live node "
-            f"{other.node_id}: every node needs an address of its own (the others "
-            f"forward its calls there). Give node {self.node_id} its own advertise_addr "
-            "(or FILA_ADVERTISE_ADDR)"
+            f"advertise_addr {own} is advertised by live node {other.node_id}{written}: "
+            "every node needs an address of its own (the others forward its calls "
+            f"there). Give node {self.node_id} its own advertise_addr (or "
+            "FILA_ADVERTISE_ADDR)"
         )
 
     def _held_message(self) -> str:

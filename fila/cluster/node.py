@@ -25,6 +25,7 @@ import grpc
 import grpc.aio
 
 from fila.cluster import layout as sections
+from fila.cluster.address import Addresses
 from fila.cluster.edge import Edge
 from fila.cluster.etcd import Etcd, EtcdUnavailable
 from fila.cluster.identity import Identity
@@ -56,6 +57,8 @@ class ClusterNode:
         cluster = config.cluster
         self.node_id = cluster.node_id
         self._addr = cluster.advertise_addr
+        self._addresses = Addresses()
+        self._checks: set[asyncio.Task[None]] = set()
         self._broker = broker
         self._storage = storage
         self._etcd = Etcd(cluster.etcd_endpoints)
@@ -70,6 +73,7 @@ class ClusterNode:
             cluster.lease_ttl_ms,
             Identity(storage, committer),
             broker.end_consumers,
+            self._addresses,
         )
         self.config = SharedConfig(self._etcd, self.layout, self.mirror, broker.admin)
         store = EtcdKeyStore(self._etcd, self.layout, self.mirror)
@@ -154,6 +158,8 @@ class ClusterNode:
         await self.lease.release()
 
     async def close(self) -> None:
+        for check in self._checks:
+            check.cancel()
         await self.peers.close()
         await self.mirror.close()
         await self._etcd.close()
@@ -161,14 +167,23 @@ class ClusterNode:
     def _node_changed(self, node_id: int, record: NodeRecord | None) -> None:
         if node_id == self.node_id and record is None and self.lease.serving:
             self.lease.key_deleted()
-        if record is not None and node_id != self.node_id and record.advertise_addr == self._addr:
-            # Startup refuses this (fila.cluster.lease), but two nodes starting at once
-            # both find the address free: say so loudly, on both.
+        if record is not None and node_id != self.node_id:
+            # A listener is called synchronously; comparing may resolve a name.
+            check = asyncio.get_running_loop().create_task(self._check_address(record))
+            self._checks.add(check)
+            check.add_done_callback(self._checks.discard)
+
+    async def _check_address(self, record: NodeRecord) -> None:
+        """Startup refuses a node at a live node's address (fila.cluster.lease), but two
+        nodes starting at once both find it free: say so loudly, on both."""
+        if await self._addresses.same(self._addr, record.advertise_addr):
             log.error(
-                "node %d advertises this node's address %s: calls the others forward to "
-                "either node may reach the other; give each node its own advertise_addr",
-                node_id,
+                "node %d advertises this node's address %s (as %s): calls the others "
+                "forward to either node may reach the other; give each node its own "
+                "advertise_addr",
+                record.node_id,
                 self._addr,
+                record.advertise_addr,
             )
 
 
