@@ -1,5 +1,6 @@
 """How cluster routing fails, as typed errors the edge maps to statuses in one place
-(`fila.server.status`).
+(`fila.server.status`); and `Misconfigured`, how a node's start is refused for its
+configuration (exit code 2, mapped in `fila.server.main`).
 
 All but `RemoteError` are UNAVAILABLE: the call could succeed later or elsewhere
 (the owner returns, the lease is renewed, the client connects to the owner).
@@ -11,6 +12,12 @@ import grpc
 
 from fila.core.errors import BrokerError, Unavailable, clip
 from fila.wire import ErrorKind
+
+
+class Misconfigured(BrokerError):
+    """Startup refused because of this node's configuration, which only the operator
+    can change: `fila-server` exits with code 2 (not 1), so that a supervisor does not
+    restart the node into the same refusal."""
 
 
 class Fenced(Unavailable):

@@ -16,14 +16,15 @@ the committer and synced before the node relies on them.
 
 from __future__ import annotations
 
-from fila.core.errors import BrokerError
+from fila.cluster.errors import Misconfigured
 from fila.storage import keys
 from fila.storage.backend import Storage
 from fila.storage.committer import Committer
 
 
-class IdentityMismatch(BrokerError):
-    """The data directory belongs to another node id."""
+class IdentityMismatch(Misconfigured):
+    """The data directory belongs to another node id: the configuration names the
+    wrong id or the wrong directory, which a restart cannot change."""
 
 
 class Identity:

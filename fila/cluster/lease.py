@@ -51,7 +51,7 @@ from collections.abc import Callable
 from typing import Final
 
 from fila.cluster.address import Addresses
-from fila.cluster.errors import Fenced
+from fila.cluster.errors import Fenced, Misconfigured
 from fila.cluster.etcd import Etcd, EtcdUnavailable
 from fila.cluster.identity import Identity
 from fila.cluster.layout import NODES, Layout, NodeRecord
@@ -61,12 +61,6 @@ log = logging.getLogger("fila.cluster")
 
 RETRY_S: Final = 0.2  # between attempts while etcd does not answer
 HELD_RETRY_S: Final = 0.5  # while another live process holds this node id
-
-
-class Misconfigured(BrokerError):
-    """Startup refused because of this node's configuration, which only the operator
-    can change: `fila-server` exits with code 2 (not 1), so that a supervisor does not
-    restart the node into the same refusal."""
 
 
 class NodeIdTaken(Misconfigured):

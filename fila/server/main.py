@@ -63,7 +63,8 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 class ExitCode(IntEnum):
     OK = 0
     STARTUP_FAILED = 1  # cannot listen, data directory unusable or in use, TLS files bad
-    BAD_CONFIG = 2  # the configuration (file, environment, arguments) is invalid
+    BAD_CONFIG = 2  # the configuration (file, environment, arguments) is invalid, or
+    # names a cluster node id, address or data directory that another node holds
     STORAGE_FAILED = 3  # a write or sync failed while serving; the broker stopped
     DATA_DAMAGED = 4  # stored data failed its checksums; see `fila-server --repair`
 
@@ -185,7 +186,7 @@ async def serve(config: Config) -> ExitCode:
             ExitCode.DATA_DAMAGED,
         ) from None
     if cluster is not None:
-        from fila.cluster.lease import Misconfigured  # loaded with ClusterNode already
+        from fila.cluster.errors import Misconfigured  # loaded with ClusterNode already
 
         try:
             await cluster.start()
@@ -193,8 +194,9 @@ async def serve(config: Config) -> ExitCode:
             await cluster.close()
             committer.close()
             storage.close()
-            # A node id or an address another live node holds is the configuration's
-            # fault, not this start's: exit 2, which systemd does not retry.
+            # A node id or an address another live node holds, or a data directory of
+            # another node id, is the configuration's fault, not this start's: exit 2,
+            # which systemd does not retry.
             bad_config = isinstance(exc, Misconfigured)
             code = ExitCode.BAD_CONFIG if bad_config else ExitCode.STARTUP_FAILED
             raise StartupError(f"cannot join the cluster: {exc}", code) from None
