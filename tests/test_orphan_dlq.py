@@ -14,6 +14,12 @@ by hand (".dlq" names are reserved): a nack to "dlq" would retry instead and the
 DLQ's stored messages would stay unreachable. Recovery recreates the DLQ from its
 queue, as CreateQueue made it, writes it back and logs it.
 
+A record whose dead-letter link disagrees with its name (`orders.dlq` saying it is
+the DLQ of `billing`, or of nothing; `orders` saying it is a DLQ) is corrected from
+the name at startup, written back and logged: `orders` dead-letters into
+`orders.dlq` by name, so a Redrive that followed the stored link would move its dead
+letters into `billing`.
+
 The damage is written directly: the records exactly as recovery finds them after
 such a repair (one queue record gone, everything else kept), first on in-memory
 storage through the core, then in a real data directory under a real fila-server.
@@ -24,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -185,12 +192,6 @@ def test_the_normal_rules_hold_for_a_dlq_with_a_live_queue_and_for_dlq_names() -
             core.broker.admin.delete_queue("orders.dlq")
         with pytest.raises(QueueAlreadyExists):
             core.broker.admin.create_queue("orders", "", "", 1000)
-        # a queue named like another's DLQ but not that queue's DLQ is not adopted
-        stray = QueueRecord("other.dlq", dlq_of="someone-else")
-        core.storage.write(_put(keys.queue_key(stray.name), stray.encode()))
-        core, _ = _restart(core)
-        with pytest.raises(QueueAlreadyExists, match=r'"other\.dlq"'):
-            core.broker.admin.create_queue("other", "", "", 1000)
 
     run(scenario)
 
@@ -326,3 +327,147 @@ def test_a_real_broker_recreates_a_dlq_whose_record_a_repair_lost(
         )
         assert redriven.redriven == 2 and fila.stats("orders").depth == 2
     assert server.log_text().count("dead-letter queue had no record") == 1
+
+
+def _store(core: CoreBroker, record: QueueRecord) -> None:
+    """Writes `record` as its queue's stored record, as damage would."""
+    core.storage.write(_put(keys.queue_key(record.name), record.encode()))
+
+
+_QUEUES = ("orders", "orders.dlq", "billing", "billing.dlq")
+
+
+@pytest.mark.parametrize(
+    ("damaged", "stored_dlq_of"),
+    [("orders.dlq", "billing"), ("orders.dlq", ""), ("orders", "billing")],
+    ids=["dlq-names-another-queue", "dlq-names-none", "queue-names-a-queue"],
+)
+def test_a_record_whose_dlq_link_disagrees_with_its_name_is_corrected_from_the_name(
+    damaged: str, stored_dlq_of: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The stored link of one record is wrong, everything else as CreateQueue wrote it.
+    Recovery puts back exactly the records CreateQueue wrote (no queue added: a DLQ
+    stored as an ordinary queue once got a DLQ of its own), writes them, and logs one
+    warning; `orders` then dead-letters into `orders.dlq` and a Redrive brings the
+    dead letters back to `orders`, never into `billing`."""
+
+    async def scenario() -> None:
+        caplog.set_level(logging.WARNING, logger="fila.recovery")
+        core = make_core()
+        for name in ("orders", "billing"):
+            await core.broker.admin.create_queue(name, "", TO_DLQ, 5000)
+        await _dead_letter(core, "orders", 1)
+        written = {name: _stored(core, name) for name in _QUEUES}
+        stored = written[damaged]
+        assert stored is not None
+        _store(core, replace(stored, dlq_of=stored_dlq_of))
+
+        core, report = _restart(core)
+        assert report.relinked_queues == [(damaged, stored_dlq_of)]
+        assert report.recreated_dlqs == [] and report.orphan_dlqs == []
+        (warning,) = [r for r in caplog.records if "dead-letter link disagreed" in r.message]
+        assert warning.levelno == logging.WARNING
+        fields = tuple(warning.__dict__[f] for f in ("queue", "stored_dlq_of", "dlq_of"))
+        assert fields == (damaged, stored_dlq_of, "" if damaged == "orders" else "orders")
+        assert sorted(core.broker.queues) == sorted(_QUEUES)
+        for name, record in written.items():
+            assert core.broker.queues[name].record == record
+            assert _stored(core, name) == record
+
+        await _dead_letter(core, "orders", 1)
+        assert core.broker.admin.stats("orders.dlq").depth == 2
+        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
+        await committed
+        await core.settle()
+        assert redriven == 2
+        assert core.broker.admin.stats("orders").depth == 2
+        assert core.broker.admin.stats("billing").depth == 0
+
+        core, report = _restart(core)  # the corrected record was written: nothing to do
+        assert report.relinked_queues == []
+        assert len([r for r in caplog.records if "dead-letter link disagreed" in r.message]) == 1
+
+    run(scenario)
+
+
+def test_an_orphaned_dlq_whose_record_names_another_queue_is_taken_back_by_its_own(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`orders` lost its record and `orders.dlq`'s names `billing`, a live queue: it
+    was served as `billing`'s without a word, creating `orders` answered that
+    `orders.dlq` exists, and deleting it was refused ("the dead-letter queue of
+    billing"), so nothing could take it back. Its link is corrected to `orders`:
+    an orphan DLQ like any other, reported, and adopted when `orders` is created."""
+
+    async def scenario() -> None:
+        caplog.set_level(logging.WARNING, logger="fila.recovery")
+        core = make_core()
+        for name in ("orders", "billing"):
+            await core.broker.admin.create_queue(name, "", TO_DLQ, 5000)
+        await _dead_letter(core, "orders", 1)
+        await core.enqueue("orders", 3)
+        stored = _stored(core, "orders.dlq")
+        assert stored is not None
+        _store(core, replace(stored, dlq_of="billing"))
+        _lose_record(core, "orders")
+
+        core, report = _restart(core)
+        assert report.relinked_queues == [("orders.dlq", "billing")]
+        assert report.orphan_dlqs == ["orders.dlq"] and report.orphans == 3
+        assert core.broker.queues["orders.dlq"].record == replace(stored, dlq_of="orders")
+        messages = [r.message for r in caplog.records]
+        assert any("dead-letter link disagreed" in m for m in messages)
+        assert any("dead-letter queue's queue does not exist" in m for m in messages)
+
+        await core.broker.admin.create_queue("orders", "", TO_DLQ, 5000)
+        assert core.broker.admin.stats("orders.dlq").depth == 1
+        core, report = _restart(core)
+        assert report.relinked_queues == [] and report.orphans == 0
+        assert core.broker.admin.stats("orders").depth == 3
+        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
+        await committed
+        await core.settle()
+        assert redriven == 1 and core.broker.admin.stats("orders").depth == 4
+        assert core.broker.admin.stats("billing").depth == 0
+
+    run(scenario)
+
+
+def _relink_queue_record(server: ServerProcess, name: str, dlq_of: str) -> None:
+    """Rewrites queue `name`'s record in a stopped broker's storage with another
+    `dlq_of`, as damage would."""
+    storage = RocksStorage(server.data_dir)
+    try:
+        raw = storage.get(keys.queue_key(name))
+        assert raw is not None
+        damaged = replace(QueueRecord.decode(raw), dlq_of=dlq_of)
+        storage.write(_put(keys.queue_key(name), damaged.encode()))
+    finally:
+        storage.close()
+
+
+def test_a_real_broker_corrects_a_dlq_whose_record_names_another_queue(
+    server_factory: ServerFactory,
+) -> None:
+    server = server_factory(persist_mode="sync")
+    with connect(server.addr) as fila:
+        fila.create_queue("orders", on_failure=TO_DLQ)
+        fila.create_queue("billing")
+        dead = fila.enqueue("orders", b"dead")
+        with fila.consume("orders") as stream:
+            assert stream.get().id == dead
+            fila.nack("orders", dead, "boom")
+        assert fila.stats("orders.dlq").depth == 1
+    server.stop()
+    _relink_queue_record(server, "orders.dlq", "billing")
+
+    server.start()
+    assert "dead-letter link disagreed with its name" in server.log_text()
+    with connect(server.addr) as fila:
+        redriven = fila.admin.Redrive(
+            admin_pb2.RedriveRequest(dlq_queue="orders.dlq"), timeout=RPC_TIMEOUT_S
+        )
+        assert redriven.redriven == 1
+        assert (fila.stats("orders").depth, fila.stats("billing").depth) == (1, 0)
+    server.restart()
+    assert server.log_text().count("dead-letter link disagreed") == 1

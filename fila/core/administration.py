@@ -124,13 +124,12 @@ class Administration:
         if name in queues:
             raise QueueAlreadyExists(name)
         orphan = queues.get(dlq_name)
-        if orphan is not None and orphan.record.dlq_of != name:
-            raise QueueAlreadyExists(dlq_name)
         # An existing DLQ of `name` while `name` does not exist is an orphan: damage
         # (a repair that lost the queue's record but kept its DLQ's) left it, since
         # deleting a queue deletes its DLQ. Creating `name` adopts it, messages and
         # all: that is the documented way back ("create the queue again and
-        # restart"), which refusing here would make impossible.
+        # restart"), which refusing here would make impossible. It is `name`'s by its
+        # name: recovery made its record say so (`fila.core.recovery._linked`).
         limit = self.broker.settings.max_queues
         if len(queues) + (1 if orphan is not None else 2) > 2 * limit:
             raise ResourceExhausted(

@@ -48,6 +48,18 @@ def validate_queue_name(name: str) -> None:
         raise InvalidArgument(f'queue name "{name}" is reserved ("." and ".." are path steps)')
 
 
+def dlq_owner(name: str) -> str:
+    """The queue whose dead-letter queue `name` is, or "" when it is no DLQ.
+
+    The name decides: ".dlq" names are reserved (CreateQueue refuses them, and has
+    since the first version), so the only way one comes to exist is CreateQueue of
+    the queue it ends in. Everything else goes by the name too (a nack dead-letters
+    into the queue's name + ".dlq", Redrive's ACL check and the cluster's placement
+    take the source from the DLQ's name), so a stored `dlq_of` that disagrees is
+    damage, which recovery corrects to this."""
+    return name.removesuffix(DLQ_SUFFIX) if name.endswith(DLQ_SUFFIX) else ""
+
+
 @dataclass(frozen=True, slots=True)
 class QueueRecord:
     """What is persisted about a queue (its messages are stored separately)."""

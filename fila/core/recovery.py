@@ -23,20 +23,23 @@ was lost, is repaired here: the DLQ cannot be created by hand (".dlq" names are
 reserved), and without it a nack to "dlq" retries instead and the DLQ's stored
 messages are unreachable. So its record is derived from the queue's exactly as
 CreateQueue derives it, written back, and logged; its messages, which name it as
-their queue, are then placed like any other.
+their queue, are then placed like any other. Before either check, a record whose
+dead-letter link (`dlq_of`) disagrees with its name is corrected from the name,
+written back and logged (`_linked`): which queue is whose DLQ is decided there
+alone, so every later step can go by the name.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from google.protobuf.message import DecodeError
 
 from fila.core.administration import dlq_record
 from fila.core.broker import Broker
-from fila.core.queue import QueueRecord
+from fila.core.queue import QueueRecord, dlq_owner
 from fila.core.records import MessageRef
 from fila.storage import keys
 from fila.storage.backend import CorruptionError
@@ -55,7 +58,30 @@ class RecoveryReport:
     orphans: int = 0
     orphan_dlqs: list[str] = field(default_factory=list)
     recreated_dlqs: list[str] = field(default_factory=list)
+    # (queue, the dlq_of its record stored) for records whose link disagreed with the name
+    relinked_queues: list[tuple[str, str]] = field(default_factory=list)
     stale_side_records: int = 0
+
+
+def _linked(record: QueueRecord, records: dict[str, QueueRecord]) -> QueueRecord:
+    """`record` with the dead-letter link its name implies (`dlq_owner`).
+
+    A `q.dlq` whose record names another queue (or none) is still q's DLQ: q's nacks
+    dead-letter into it by name, so its messages are q's. Left as stored, its
+    Redrive would move q's dead letters into the queue it names, past the ACL check
+    made on q, and q would never have its DLQ recreated. With q present it becomes
+    the DLQ CreateQueue makes (`dlq_record`, as adopting an orphan does, keeping its
+    creation time); without q only the link is corrected, and it is then an orphan
+    DLQ like any other (served, reported, taken back by creating q). A record of a
+    name without the suffix that claims to be a DLQ is made an ordinary queue again,
+    which gets its own DLQ below if it has none."""
+    owner = dlq_owner(record.name)
+    if record.dlq_of == owner:
+        return record
+    parent = records.get(owner) if owner else None
+    if parent is not None:
+        return dlq_record(parent, record.created_at_ms)
+    return replace(record, dlq_of=owner)
 
 
 def recover(broker: Broker) -> RecoveryReport:
@@ -67,12 +93,20 @@ def recover(broker: Broker) -> RecoveryReport:
             broker.admin.restore_config(keys.config_name_from_key(raw_key), raw_value.decode())
         except UnicodeDecodeError:
             raise CorruptionError(f"config record {raw_key[:64]!r} is not UTF-8") from None
+    records: dict[str, QueueRecord] = {}
     for raw_key, raw_queue in storage.scan(keys.QUEUE):
         try:
             record = QueueRecord.decode(raw_queue)
         except (ValueError, TypeError, json.JSONDecodeError) as exc:
             raise CorruptionError(f"queue record {raw_key[:64]!r} does not decode: {exc}") from None
-        broker.admin.restore_queue(record)
+        records[record.name] = record
+    for record in records.values():
+        linked = _linked(record, records)
+        if linked != record:
+            # Written back, like a recreated DLQ: the next start reads it correct.
+            committer.put(keys.queue_key(linked.name), linked.encode())
+            report.relinked_queues.append((record.name, record.dlq_of))
+        broker.admin.restore_queue(linked)
         report.queues += 1
     # Before the messages are placed, so that those of a recreated DLQ find it.
     for owner in list(broker.queues.values()):
@@ -164,6 +198,12 @@ def recover(broker: Broker) -> RecoveryReport:
             "stored messages name a queue that does not exist; they were left untouched "
             "(a sign of damage: see 'Damaged data' in docs/operations.md)",
             extra={"messages": report.orphans},
+        )
+    for name, stored_dlq_of in report.relinked_queues:
+        log.warning(
+            "a queue record's dead-letter link disagreed with its name (a sign of damage); "
+            "it was corrected from the name and written back",
+            extra={"queue": name, "stored_dlq_of": stored_dlq_of, "dlq_of": dlq_owner(name)},
         )
     for name in report.recreated_dlqs:
         dlq = broker.queues[name]
