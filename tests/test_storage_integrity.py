@@ -226,11 +226,79 @@ def test_repair_keeps_every_readable_block_between_damaged_ones(tmp_path: Path) 
     assert f"{unreadable_runs} damaged region(s) skipped" in output, output
 
 
+def _chained_records() -> dict[bytes, bytes]:
+    """10 chains of 120 message keys, each key the previous one plus a zero byte
+    (`m\\x00\\x07`, `m\\x00\\x07\\x00`, ...), with 200-byte values: a chain spans
+    several blocks, so nearly every block boundary falls between a key and its
+    successor, and most blocks lie inside a chain."""
+    rng = random.Random(7)
+    records = {keys.queue_key("orders"): b"orders"}
+    for chain in range(10):
+        for zeros in range(120):
+            records[keys.MESSAGE + chain.to_bytes(2, "big") + b"\x00" * zeros] = rng.randbytes(200)
+    return records
+
+
+def _unreadable_runs(ordered: list[bytes], readable: set[bytes]) -> list[tuple[int, int]]:
+    """The runs of consecutive unreadable keys of `ordered`, as [first, end) indexes."""
+    runs: list[tuple[int, int]] = []
+    for i, key in enumerate(ordered):
+        if key in readable:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
+
+
+def test_repair_keeps_a_readable_key_that_is_the_previous_key_plus_a_zero_byte(
+    tmp_path: Path,
+) -> None:
+    """The search for the next readable key stood for keys by zero-padded integers, so
+    `k` and `k + b"\\x00"` were one place and a seek there passed over every key
+    between: a damaged block ending in `k` lost the readable `k + b"\\x00"` after it,
+    and a damaged block inside a chain (its search starting past the last key read
+    before it) lost the chain's readable rest. Every key a point lookup reads must be
+    kept, and each run of unreadable keys reported once."""
+    data_dir = tmp_path / "data"
+    db = Rdict(str(data_dir / "db"), options=rocks_options())
+    records = _chained_records()
+    for key, value in records.items():
+        db[key] = value
+    db.flush(True)
+    db.close()
+    (sst,) = glob.glob(str(data_dir / "db" / "*.sst"))
+    size = os.path.getsize(sst)
+    for i in range(6):  # damaged blocks with readable ones on both sides
+        _flip(sst, 2000 + i * ((size - 6000) // 6), count=1)
+    ordered = sorted(records)
+    readable = _readable_by_lookup(data_dir, ordered)
+    runs = _unreadable_runs(ordered, readable)
+    inner = [(first, end) for first, end in runs if first > 0 and end < len(ordered)]
+    # Both ways the old search lost keys are here: a readable successor of the last
+    # unreadable key, and readable keys of one chain on both sides of the damage.
+    assert any(ordered[end] == ordered[end - 1] + b"\x00" for _, end in inner)
+    assert any(ordered[end].startswith(ordered[first - 1]) for first, end in inner)
+
+    report = salvage.salvage(data_dir)
+
+    storage = RocksStorage(data_dir)
+    try:
+        kept = {key for prefix in (keys.QUEUE, keys.MESSAGE) for key, _ in storage.scan(prefix)}
+    finally:
+        storage.close()
+    dropped = readable - kept
+    assert not dropped, f"repair dropped {len(dropped)} readable keys, e.g. {min(dropped)!r}"
+    assert kept <= set(ordered)
+    assert len(report.damaged_regions) == len(runs), report.damaged_regions
+
+
 class _NoErrorRepeats:
     """A database stand-in for the salvage's search: seeks below `readable_from` fail,
     each with an error never seen before (nothing tells two damaged blocks apart)."""
 
-    def __init__(self, readable_from: int) -> None:
+    def __init__(self, readable_from: bytes) -> None:
         self.readable_from = readable_from
         self.seeks = 0
         self._reads = False
@@ -240,7 +308,7 @@ class _NoErrorRepeats:
 
     def seek(self, target: bytes) -> None:
         self.seeks += 1
-        self._reads = int.from_bytes(target, "big") >= self.readable_from
+        self._reads = target >= self.readable_from
 
     def status(self) -> None:
         if not self._reads:
@@ -252,12 +320,13 @@ def test_the_repair_search_ends_when_errors_never_repeat(monkeypatch: pytest.Mon
     would have it split the key space without end. Past its probe budget it treats
     every two failures as one damaged span and ends, as the old search did."""
     monkeypatch.setattr(salvage, "_PROBE_BUDGET", 1000)
-    source = _NoErrorRepeats(readable_from=1 << 8000)
+    readable_from = b"m" + b"\x00" * 900 + b"\x01"
+    source = _NoErrorRepeats(readable_from)
 
     found = salvage._next_readable(cast(Rdict, source), b"")
 
-    assert found is not None and int.from_bytes(found, "big") == 1 << 8000
-    assert source.seeks < 1000 + 3 * 8 * salvage._KEY_WIDTH, source.seeks
+    assert found == readable_from
+    assert source.seeks < 1000 + 3 * salvage._POSITION_BITS, source.seeks
 
 
 def test_damaged_queue_records_never_lead_to_deleted_messages(

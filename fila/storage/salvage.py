@@ -45,7 +45,13 @@ from fila.storage.backend import DataDirInUse, rocks_options
 
 # Wider than any key the broker writes (queue names 259, config keys 1024 bytes).
 _KEY_WIDTH = 1100
-_KEY_SPACE = 1 << (8 * _KEY_WIDTH)
+# The search's positions: a key up to _KEY_WIDTH bytes long as that many 9-bit digits
+# (see `_position`), so _KEY_SPACE is one past the last position.
+_DIGIT_BITS = 9
+_POSITION_BITS = _DIGIT_BITS * _KEY_WIDTH
+_KEY_SPACE = 1 << _POSITION_BITS
+_DIGITS = [format(0x100 | byte, "09b") for byte in range(256)]
+_FIRST_DIGITS = 32  # `_key` reads this many digits, then twice as many, until a zero one
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,7 +257,7 @@ def _copy_readable(source: Rdict, target: Rdict, report: SalvageReport) -> None:
         if _ok(it):
             return  # the end, read cleanly
         resume = _next_readable(source, last)
-        shown = resume.rstrip(b"\x00").hex()[:40] if resume else "end"
+        shown = resume.hex()[:40] if resume is not None else "end"
         report.damaged_regions.append((last.hex()[:40], shown))
         if resume is None:
             return
@@ -272,9 +278,51 @@ def _ok(it: RdictIter) -> bool:
     return True
 
 
+def _position(key: bytes) -> int:
+    """`key`'s place in the search: its bytes as 9-bit digits `0x100 | byte`, then zero
+    digits up to the key width.
+
+    One place per key, in byte order: a zero digit, lower than any byte's, ends a
+    key, so `k` comes before `k + b"\\x00"` and both before `k + b"\\x01"`, and the
+    successor of `k`'s place is `k + b"\\x00"`'s. The search used to pad the bytes
+    themselves with zero bytes, which gave `k`, `k + b"\\x00"`, `k + b"\\x00\\x00"`...
+    one place, and sought the padded key, past all of them: a readable
+    `k + b"\\x00"` after a damaged block ending in `k` was lost, and so was the rest
+    of such a chain of keys."""
+    return int("".join([_DIGITS[byte] for byte in key]).ljust(_POSITION_BITS, "0"), 2)
+
+
+def _key(position: int) -> bytes:
+    """The first key, in byte order, whose place is at or after `position` (a seek
+    there reads from the same key as a seek to that place would).
+
+    A place whose digits stop being bytes at a zero digit with only zeros after it
+    is the key of the bytes before it; with anything after it, it lies between that
+    key and its successor, the key plus a zero byte. Only the leading digits are
+    written out, as many as it takes to meet the first zero one (during a search
+    about as many as the keys around it are long): writing out all 9,900 bits took
+    8 us a probe, twice the seek itself."""
+    digits = _FIRST_DIGITS
+    while True:
+        shift = _POSITION_BITS - digits * _DIGIT_BITS
+        bits = format(position >> shift, f"0{digits * _DIGIT_BITS}b")
+        length = bits[::_DIGIT_BITS].find("0")  # the first digit without its 0x100 bit
+        if length >= 0 or digits == _KEY_WIDTH:
+            break
+        digits = min(2 * digits, _KEY_WIDTH)
+    if length < 0:
+        length = _KEY_WIDTH
+    key = bytes(
+        int(bits[start + 1 : start + _DIGIT_BITS], 2)
+        for start in range(0, length * _DIGIT_BITS, _DIGIT_BITS)
+    )
+    rest = _POSITION_BITS - length * _DIGIT_BITS
+    return key + b"\x00" if position & ((1 << rest) - 1) else key
+
+
 def _next_readable(source: Rdict, after: bytes) -> bytes | None:
-    """The first seek target past `after` from which `source` reads again (padded to
-    the key width), or None when nothing readable follows.
+    """The first key past `after` at which a seek of `source` reads again (the key
+    itself need not exist), or None when nothing readable follows.
 
     An exponential search forward, then a binary one back, finds *a* readable target,
     but not the first when damaged blocks lie in several places: a probe that fails
@@ -290,7 +338,7 @@ def _next_readable(source: Rdict, after: bytes) -> bytes | None:
     the search then settled on a target that failed again when the copy resumed
     there, and the repair looped forever (about one damaged file in twenty)."""
     search = _Search(source)
-    start = int.from_bytes(after.ljust(_KEY_WIDTH, b"\x00"), "big") + 1
+    start = _position(after) + 1  # the place of `after + b"\x00"`, its successor
     if start >= _KEY_SPACE:
         return None
     low = search.probe(start)
@@ -304,9 +352,9 @@ def _next_readable(source: Rdict, after: bytes) -> bytes | None:
             continue
         found = search.first_readable(low, probe)
         if found is not None:
-            return None if found.target >= _KEY_SPACE else found.target.to_bytes(_KEY_WIDTH, "big")
+            return None if found.target >= _KEY_SPACE else _key(found.target)
         low, step = probe, step * 2
-    return low.target.to_bytes(_KEY_WIDTH, "big")
+    return _key(low.target)
 
 
 # RocksDB's message for a block that fails its checksum ends with where the block is.
@@ -336,7 +384,7 @@ class _Search:
     def probe(self, target: int) -> _Probe:
         self.probes += 1
         it = self._source.iter()
-        it.seek(target.to_bytes(_KEY_WIDTH, "big"))
+        it.seek(_key(target))
         try:
             it.status()
         except Exception as exc:  # the seek stopped on an error
