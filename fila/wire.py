@@ -17,6 +17,26 @@ DEFAULT_ADDR: Final = "localhost:5555"
 DEFAULT_LISTEN_ADDR: Final = "127.0.0.1:5555"
 
 
+# A queue dead-letters into its name plus this (SPEC 2). CreateQueue refuses names that
+# end in it, so the only way one comes to exist is CreateQueue of the queue it ends in,
+# and a name alone says whether a queue is a DLQ and whose: a nack dead-letters by
+# name, Redrive's ACL check and the cluster's placement take the source from the
+# DLQ's name, and recovery corrects a stored `dlq_of` that disagrees (damage).
+DLQ_SUFFIX: Final = ".dlq"
+
+
+def dlq_name(queue: str) -> str:
+    """The dead-letter queue `queue` dead-letters into."""
+    return queue + DLQ_SUFFIX
+
+
+def dlq_owner(name: str) -> str | None:
+    """The queue whose dead-letter queue `name` is, or None when it is no queue's."""
+    if name.endswith(DLQ_SUFFIX) and len(name) > len(DLQ_SUFFIX):
+        return name[: -len(DLQ_SUFFIX)]
+    return None
+
+
 def is_port(text: str) -> bool:
     """A TCP port written in ASCII digits, 1-65535. `str.isdigit` alone also takes
     other scripts' digits (full-width ones, say), which `int` reads but no resolver does."""

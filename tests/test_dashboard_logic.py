@@ -13,7 +13,6 @@ from fila.dashboard.auth import TokenGate
 from fila.dashboard.charts import line_chart, nice_ceiling, span_for
 from fila.dashboard.command import is_loopback, parse_listen
 from fila.dashboard.csrf import CsrfTokens
-from fila.dashboard.dlqs import parent_of
 from fila.dashboard.history import (
     Counters,
     KeyStat,
@@ -22,6 +21,7 @@ from fila.dashboard.history import (
     key_shares,
 )
 from fila.dashboard.views.apikeys import parse_acl
+from fila.wire import dlq_owner
 
 
 def sample(at: float, enq: int, deliv: int, keys: tuple[KeyStat, ...] = ()) -> QueueSample:
@@ -147,5 +147,5 @@ def test_acl_text_and_dlq_names() -> None:
         "",
     )
     assert parse_acl("consume\n")[1].startswith("line 1:")
-    assert parent_of("orders.dlq") == "orders" and parent_of(".dlq") is None
-    assert parent_of("orders") is None
+    assert dlq_owner("orders.dlq") == "orders" and dlq_owner(".dlq") is None
+    assert dlq_owner("orders") is None

@@ -28,10 +28,10 @@ from fila.cli.context import command
 from fila.cli.durations import format_ms, option_ms
 from fila.cli.files import bytes_from
 from fila.cli.output import as_json, emit, message_json, message_line
+from fila.wire import dlq_owner
 from fila_sdk import Client, Message
 
 POLL_INTERVAL_S: Final = 0.25
-DLQ_SUFFIX: Final = ".dlq"
 
 
 def _headers(pairs: tuple[str, ...]) -> dict[str, str]:
@@ -132,7 +132,7 @@ def _consumed(client: Client, queue: str) -> Generator[Message, None, None]:
 
 def _arrivals(client: Client, queue: str) -> Generator[Message, None, None]:
     """Messages that appear in `queue` from now on, found by peeking (see module doc)."""
-    whole_queue = queue.endswith(DLQ_SUFFIX)
+    whole_queue = dlq_owner(queue) is not None
     known: set[str] = set()
     newest: str | None = None
     for message in client.peek_all(queue):  # what is there now is not an arrival

@@ -35,13 +35,14 @@ from fila.cluster.shared import SharedConfig
 from fila.cluster.streams import StreamSplitter
 from fila.core.broker import Broker
 from fila.core.errors import BrokerError, QueueAlreadyExists, QueueNotFound
-from fila.core.queue import DLQ_SUFFIX, validate_queue_name
+from fila.core.queue import validate_queue_name
 from fila.server import access
 from fila.server.handlers import Handler, behaviour_of, rebuild
 from fila.server.readers import StreamReaders
 from fila.server.rpc import BadRequest
 from fila.server.status import abort, batch_error
 from fila.v1 import admin_pb2, service_pb2
+from fila.wire import dlq_name, dlq_owner
 
 log = logging.getLogger("fila.cluster")
 
@@ -321,7 +322,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         """The node to create `name` on (None: this one), SPEC 9's placement rule among
         the live nodes not found `down`."""
         validate_queue_name(name)
-        if name.endswith(DLQ_SUFFIX):
+        if dlq_owner(name) is not None:
             return None  # refused with its single-node reason by the local handler
         if self._placements.owner(name) is not None:
             raise QueueAlreadyExists(name)
@@ -405,7 +406,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     listed.setdefault(info.name, info)
             for name in self._placements.names():  # queues of nodes that did not answer
                 owner = self._placements.owner(name)
-                for shown in (name, name + DLQ_SUFFIX):
+                for shown in (name, dlq_name(name)):
                     if shown not in listed and owner is not None and access.may_see(shown):
                         listed[shown] = admin_pb2.QueueInfo(name=shown, leader_node_id=owner)
             return admin_pb2.ListQueuesResponse(

@@ -25,7 +25,7 @@ import json
 from dataclasses import dataclass
 from typing import Final
 
-from fila.core.queue import DLQ_SUFFIX
+from fila.wire import dlq_owner
 
 NODES: Final = "nodes/"
 QUEUES: Final = "queues/"
@@ -64,7 +64,7 @@ class Layout:
 
 def placed_name(queue: str) -> str:
     """The queue whose placement covers `queue`: a DLQ lives with its queue."""
-    return queue.removesuffix(DLQ_SUFFIX) if queue.endswith(DLQ_SUFFIX) else queue
+    return dlq_owner(queue) or queue
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,7 +27,6 @@ from fila.core.errors import (
 from fila.core.ids import parse_id
 from fila.core.queue import (
     DEFAULT_VISIBILITY_TIMEOUT_MS,
-    DLQ_SUFFIX,
     MAX_VISIBILITY_TIMEOUT_MS,
     Queue,
     QueueRecord,
@@ -41,6 +40,7 @@ from fila.lua.hooks import QueueHooks
 from fila.lua.sandbox import ScriptError
 from fila.storage import keys
 from fila.v1 import messages_pb2
+from fila.wire import DLQ_SUFFIX, dlq_name, dlq_owner
 
 if TYPE_CHECKING:
     from fila.core.broker import Broker
@@ -64,7 +64,7 @@ def dlq_record(queue: QueueRecord, created_at_ms: int) -> QueueRecord:
     recovery when it recreates a DLQ whose record damage lost (`fila.core.recovery`),
     so that the DLQ it brings back is the one CreateQueue made."""
     return QueueRecord(
-        queue.name + DLQ_SUFFIX, "", "", queue.visibility_timeout_ms, queue.name, created_at_ms
+        dlq_name(queue.name), "", "", queue.visibility_timeout_ms, queue.name, created_at_ms
     )
 
 
@@ -114,16 +114,15 @@ class Administration:
     ) -> tuple[QueueRecord, QueueHooks | None, QueueRecord]:
         self.broker.check_open()
         validate_queue_name(name)
-        if name.endswith(DLQ_SUFFIX):
+        if dlq_owner(name) is not None:
             raise InvalidArgument(
                 f'queue name "{name}" ends with "{DLQ_SUFFIX}", which is reserved for '
                 "dead-letter queues (creating a queue creates its own)"
             )
-        dlq_name = name + DLQ_SUFFIX
         queues = self.broker.queues
         if name in queues:
             raise QueueAlreadyExists(name)
-        orphan = queues.get(dlq_name)
+        orphan = queues.get(dlq_name(name))
         # An existing DLQ of `name` while `name` does not exist is an orphan: damage
         # (a repair that lost the queue's record but kept its DLQ's) left it, since
         # deleting a queue deletes its DLQ. Creating `name` adopts it, messages and

@@ -22,8 +22,8 @@ from fila.core.stats import MAX_TRACKED_KEYS, QueueCounters
 from fila.lua.hooks import QueueHooks
 from fila.storage.committer import Committer
 from fila.telemetry.histogram import DELIVERY_LATENCY_BOUNDS_MS, FixedHistogram
+from fila.wire import DLQ_SUFFIX, dlq_name
 
-DLQ_SUFFIX = ".dlq"
 MAX_QUEUE_NAME = 255
 DEFAULT_VISIBILITY_TIMEOUT_MS = 30_000
 MAX_VISIBILITY_TIMEOUT_MS = 7 * 24 * 3600 * 1000
@@ -46,18 +46,6 @@ def validate_queue_name(name: str) -> None:
     if name in (".", ".."):
         # path segments every URL client folds away: the dashboard could not address it
         raise InvalidArgument(f'queue name "{name}" is reserved ("." and ".." are path steps)')
-
-
-def dlq_owner(name: str) -> str:
-    """The queue whose dead-letter queue `name` is, or "" when it is no DLQ.
-
-    The name decides: ".dlq" names are reserved (CreateQueue refuses them, and has
-    since the first version), so the only way one comes to exist is CreateQueue of
-    the queue it ends in. Everything else goes by the name too (a nack dead-letters
-    into the queue's name + ".dlq", Redrive's ACL check and the cluster's placement
-    take the source from the DLQ's name), so a stored `dlq_of` that disagrees is
-    damage, which recovery corrects to this."""
-    return name.removesuffix(DLQ_SUFFIX) if name.endswith(DLQ_SUFFIX) else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,7 +120,7 @@ class Queue:
 
     @property
     def dlq_name(self) -> str | None:
-        return None if self.record.dlq_of else self.record.name + DLQ_SUFFIX
+        return None if self.record.dlq_of else dlq_name(self.record.name)
 
     @property
     def depth(self) -> int:

@@ -39,11 +39,12 @@ from google.protobuf.message import DecodeError
 
 from fila.core.administration import dlq_record
 from fila.core.broker import Broker
-from fila.core.queue import QueueRecord, dlq_owner
+from fila.core.queue import QueueRecord
 from fila.core.records import MessageRef
 from fila.storage import keys
 from fila.storage.backend import CorruptionError
 from fila.v1 import messages_pb2
+from fila.wire import dlq_owner
 
 log = logging.getLogger("fila.recovery")
 
@@ -75,7 +76,7 @@ def _linked(record: QueueRecord, records: dict[str, QueueRecord]) -> QueueRecord
     DLQ like any other (served, reported, taken back by creating q). A record of a
     name without the suffix that claims to be a DLQ is made an ordinary queue again,
     which gets its own DLQ below if it has none."""
-    owner = dlq_owner(record.name)
+    owner = dlq_owner(record.name) or ""
     if record.dlq_of == owner:
         return record
     parent = records.get(owner) if owner else None
@@ -203,7 +204,7 @@ def recover(broker: Broker) -> RecoveryReport:
         log.warning(
             "a queue record's dead-letter link disagreed with its name (a sign of damage); "
             "it was corrected from the name and written back",
-            extra={"queue": name, "stored_dlq_of": stored_dlq_of, "dlq_of": dlq_owner(name)},
+            extra={"queue": name, "stored_dlq_of": stored_dlq_of, "dlq_of": dlq_owner(name) or ""},
         )
     for name in report.recreated_dlqs:
         dlq = broker.queues[name]

@@ -31,8 +31,8 @@ from enum import Enum, StrEnum
 from typing import Final
 
 from fila.core.errors import InvalidArgument, clip
+from fila.wire import dlq_name, dlq_owner
 
-DLQ_SUFFIX: Final = ".dlq"
 # Same alphabet and bound as queue names (SPEC 2); a DLQ name may be 4 longer.
 _NAME_RE: Final = re.compile(r"[A-Za-z0-9._:\-]{1,259}")
 ANY: Final = "*"
@@ -90,8 +90,8 @@ class Pattern:
             return True
         if self._shape is _Shape.PREFIX:
             # A DLQ goes with its queue (names ending in .dlq are always DLQs).
-            return queue.removesuffix(DLQ_SUFFIX).startswith(self._stem)
-        return queue == self._stem or queue == self._stem + DLQ_SUFFIX
+            return (dlq_owner(queue) or queue).startswith(self._stem)
+        return queue in (self._stem, dlq_name(self._stem))
 
     @property
     def is_any(self) -> bool:

@@ -12,11 +12,11 @@ from typing import Any
 import grpc
 
 from fila.core.broker import Broker
-from fila.core.queue import DLQ_SUFFIX
 from fila.security.keyring import Keyring
 from fila.server import access, rpc
 from fila.server.rpc import Context
 from fila.v1 import admin_pb2
+from fila.wire import dlq_owner
 
 SERVICE_NAME = "fila.v1.FilaAdmin"
 
@@ -118,8 +118,9 @@ class FilaAdmin:
         self, request: admin_pb2.RedriveRequest, context: Context
     ) -> admin_pb2.RedriveResponse:
         dlq = request.dlq_queue
-        if dlq.endswith(DLQ_SUFFIX):  # redrive writes into the source queue: admin there too
-            access.require(access.Kind.ADMIN, dlq.removesuffix(DLQ_SUFFIX))
+        source = dlq_owner(dlq)
+        if source is not None:  # redrive writes into the source queue: admin there too
+            access.require(access.Kind.ADMIN, source)
         count, committed = self._broker.admin.redrive(dlq, request.count)
         await committed
         return admin_pb2.RedriveResponse(redriven=count)

@@ -14,10 +14,10 @@ from starlette.routing import Route
 
 from fila.dashboard.broker import BrokerError
 from fila.dashboard.context import of
-from fila.dashboard.dlqs import parent_of
 from fila.dashboard.flash import Flash
 from fila.dashboard.render import fragment, page
 from fila.dashboard.views.queue import browse, known_view, not_found, queue_view
+from fila.wire import dlq_owner
 
 _MAX_COUNT = 2**64 - 1  # the wire's uint64
 
@@ -35,7 +35,7 @@ def _count(raw: str | None) -> int | None:
 def _not_a_dlq(request: Request, name: str) -> Response | None:
     """A 404 for a name that is not a dead-letter queue (a live queue's messages are not
     for redriving, and its purge belongs on its own page); None for a DLQ's name."""
-    if parent_of(name) is not None:
+    if dlq_owner(name) is not None:
         return None
     reason = (
         f"“{name}” is not a dead-letter queue: those are named after their queue with "
@@ -52,7 +52,7 @@ def _back(request: Request, name: str, flash: Flash) -> Response:
 
 async def dlq_page(request: Request) -> Response:
     name = request.path_params["name"]
-    if parent_of(name) is None:
+    if dlq_owner(name) is None:
         return RedirectResponse(f"/queues/{name}", status_code=303)
     view = await known_view(request, name)
     if view is None:
@@ -60,7 +60,7 @@ async def dlq_page(request: Request) -> Response:
     return page(
         request,
         "dlq.html",
-        {"q": view, "target": parent_of(name), "browser": await browse(request, name)},
+        {"q": view, "target": dlq_owner(name), "browser": await browse(request, name)},
     )
 
 
@@ -77,7 +77,7 @@ async def confirm(request: Request) -> Response:
     view = await known_view(request, name)
     if view is None:
         return not_found(request, name)
-    target = parent_of(name)
+    target = dlq_owner(name)
     if action == "redrive":
         count = _count(request.query_params.get("count"))
         if count is None:
@@ -125,7 +125,7 @@ async def redrive(request: Request) -> Response:
     except BrokerError as err:
         return _back(request, name, Flash("error", f"Redrive refused by the broker: {err.message}"))
     await dash.sampler.sample()
-    target = parent_of(name)
+    target = dlq_owner(name)
     return _back(
         request, name, Flash("ok", f"Redrove {moved} message(s) from “{name}” to “{target}”.")
     )

@@ -9,10 +9,10 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
 from fila.dashboard.context import of
-from fila.dashboard.dlqs import dlq_of, parent_of
 from fila.dashboard.history import RATE_WINDOW_S, Rates
 from fila.dashboard.render import fragment, page
 from fila.dashboard.sampler import Sampler
+from fila.wire import dlq_name, dlq_owner
 
 
 @dataclass(frozen=True, slots=True)
@@ -33,14 +33,14 @@ def queue_rows(sampler: Sampler) -> list[QueueRow]:
     listed = set(names)
     rows: list[QueueRow] = []
     for name in names:
-        parent = parent_of(name)
+        parent = dlq_owner(name)
         if parent is not None and parent in listed:
             continue
         history = sampler.history(name)
         latest = history.latest if history else None
         if history is None or latest is None:
             continue
-        dlq = dlq_of(name) if dlq_of(name) in listed else None
+        dlq = dlq_name(name) if dlq_name(name) in listed else None
         dlq_history = sampler.history(dlq) if dlq else None
         dlq_latest = dlq_history.latest if dlq_history else None
         rows.append(

@@ -14,7 +14,6 @@ from starlette.routing import Route
 from fila.dashboard.broker import BrokerError
 from fila.dashboard.charts import Chart, line_chart, span_for
 from fila.dashboard.context import of
-from fila.dashboard.dlqs import dlq_of, parent_of
 from fila.dashboard.history import (
     RATE_WINDOW_S,
     SHARE_WINDOW_S,
@@ -26,6 +25,7 @@ from fila.dashboard.history import (
 from fila.dashboard.render import fragment, page
 from fila.dashboard.sampler import Sampler
 from fila.v1 import messages_pb2
+from fila.wire import dlq_name, dlq_owner
 
 PAGE_SIZE: Final = 20
 # The broker lists up to 1,000 active keys; a page shows the most backlogged ones.
@@ -100,9 +100,9 @@ def queue_view(sampler: Sampler, name: str) -> QueueView | None:
         shares=sorted(shown, key=lambda s: s.key),
         hidden_keys=max(0, latest.active_keys - len([s for s in shown if s.active])),
         charts=charts(history, sampler.retention),
-        dlq=dlq_of(name) if dlq_of(name) in listed else None,
-        parent=parent_of(name),
-        parent_listed=parent_of(name) in listed,
+        dlq=dlq_name(name) if dlq_name(name) in listed else None,
+        parent=dlq_owner(name),
+        parent_listed=dlq_owner(name) in listed,
     )
 
 
