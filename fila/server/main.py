@@ -44,6 +44,7 @@ from fila.server.auth import auth_interceptors, load_keyring
 from fila.server.limits import connection_cap, raise_open_files_limit, streams_per_connection
 from fila.server.memory import HeapTrimmer
 from fila.server.readers import StreamReaders
+from fila.server.startup_heap import freeze_startup_heap
 from fila.server.tls import CertificateFiles, TlsFileError
 from fila.storage.backend import CorruptionError, DataDirInUse, RocksStorage, StorageError
 from fila.storage.committer import Committer
@@ -247,6 +248,8 @@ async def serve(config: Config) -> ExitCode:
             f"cannot listen on {addr}: the address is in use (another broker?) or not "
             "valid here; set server.listen_addr or FILA_LISTEN_ADDR"
         ) from None
+    frozen = freeze_startup_heap()
+    log.debug("startup heap frozen", extra={"objects": frozen})
     await server.start()
     trimmer = HeapTrimmer()
     trimmer.start()
