@@ -36,18 +36,16 @@ from typing import Any
 import grpc
 import pytest
 from support import ServerFactory
-from support.core import CoreBroker, make_core
+from support.core import CoreBroker, make_core, restarted
 from support.stubs import RPC_TIMEOUT_S, connect, status_of
 
 from fila.config import Config, parse_config
-from fila.core.broker import Broker, BrokerSettings
 from fila.core.errors import InvalidArgument, QueueAlreadyExists
 from fila.core.queue import QueueRecord
-from fila.core.recovery import RecoveryReport, recover
+from fila.core.recovery import RecoveryReport
 from fila.server.process import ServerProcess
 from fila.storage import keys
 from fila.storage.backend import Batch, RocksStorage
-from fila.storage.committer import Committer
 from fila.v1 import admin_pb2
 
 TO_DLQ = 'function on_failure(m) return { action = "dlq" } end'
@@ -62,21 +60,6 @@ def _lose_record(core: CoreBroker, name: str) -> None:
     batch = Batch()
     batch.delete(keys.queue_key(name))
     core.storage.write(batch)
-
-
-def _restart(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroker, RecoveryReport]:
-    """A new broker over the same storage and clock, rebuilt by recovery (a restart)."""
-    core.committer.flush_now()
-    committer = Committer(core.storage, "buffer", lambda exc: None)
-    broker = Broker(
-        core.storage,
-        committer,
-        BrokerSettings.from_config(config or Config()),
-        core.clock,
-        loop_driven_timers=False,
-    )
-    report = recover(broker)
-    return CoreBroker(broker, core.storage, core.clock, committer), report
 
 
 async def _dead_letter(core: CoreBroker, queue: str, count: int) -> list[str]:
@@ -102,7 +85,7 @@ async def _orphaned(config: Config | None = None) -> tuple[CoreBroker, RecoveryR
     await _dead_letter(core, "orders", 1)
     await core.enqueue("orders", 3)
     _lose_record(core, "orders")
-    return _restart(core, config)
+    return restarted(core, config)
 
 
 def _stored(core: CoreBroker, name: str) -> QueueRecord | None:
@@ -144,7 +127,7 @@ def test_creating_a_queue_again_adopts_its_orphaned_dlq_and_a_restart_brings_all
         with pytest.raises(InvalidArgument, match="is the dead-letter queue of"):
             core.broker.admin.delete_queue("orders.dlq")
 
-        core, report = _restart(core)
+        core, report = restarted(core)
         assert report.orphans == 0 and report.orphan_dlqs == []
         assert core.broker.admin.stats("orders").depth == 3
         assert core.broker.admin.stats("orders.dlq").depth == 1
@@ -168,7 +151,7 @@ def test_an_orphaned_dlq_may_be_deleted_on_its_own() -> None:
         assert len(stored) == 3, "deleting the orphan touched the queue's own messages"
         await core.broker.admin.create_queue("orders", "", "", 1000)  # a fresh DLQ
         assert core.broker.queues["orders.dlq"].depth == 0
-        core, report = _restart(core)
+        core, report = restarted(core)
         assert report.orphans == 0 and core.broker.admin.stats("orders").depth == 3
 
     run(scenario)
@@ -248,7 +231,7 @@ def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
         assert lost is not None
         _lose_record(core, "orders.dlq")
 
-        core, report = _restart(core)
+        core, report = restarted(core)
         assert report.recreated_dlqs == ["orders.dlq"]
         assert report.orphans == 0 and report.orphan_dlqs == []
         (warning,) = [r for r in caplog.records if "was recreated" in r.message]
@@ -283,7 +266,7 @@ def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
         core.broker.delivery.detach_consumer(consumer)
 
         # The next start reads the written record: nothing to recreate, nothing lost.
-        core, report = _restart(core)
+        core, report = restarted(core)
         assert report.recreated_dlqs == [] and report.orphans == 0
         assert core.broker.admin.stats("orders.dlq").depth == 3
         redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
@@ -362,7 +345,7 @@ def test_a_record_whose_dlq_link_disagrees_with_its_name_is_corrected_from_the_n
         assert stored is not None
         _store(core, replace(stored, dlq_of=stored_dlq_of))
 
-        core, report = _restart(core)
+        core, report = restarted(core)
         assert report.relinked_queues == [(damaged, stored_dlq_of)]
         assert report.recreated_dlqs == [] and report.orphan_dlqs == []
         (warning,) = [r for r in caplog.records if "dead-letter link disagreed" in r.message]
@@ -383,7 +366,7 @@ def test_a_record_whose_dlq_link_disagrees_with_its_name_is_corrected_from_the_n
         assert core.broker.admin.stats("orders").depth == 2
         assert core.broker.admin.stats("billing").depth == 0
 
-        core, report = _restart(core)  # the corrected record was written: nothing to do
+        core, report = restarted(core)  # the corrected record was written: nothing to do
         assert report.relinked_queues == []
         assert len([r for r in caplog.records if "dead-letter link disagreed" in r.message]) == 1
 
@@ -411,7 +394,7 @@ def test_an_orphaned_dlq_whose_record_names_another_queue_is_taken_back_by_its_o
         _store(core, replace(stored, dlq_of="billing"))
         _lose_record(core, "orders")
 
-        core, report = _restart(core)
+        core, report = restarted(core)
         assert report.relinked_queues == [("orders.dlq", "billing")]
         assert report.orphan_dlqs == ["orders.dlq"] and report.orphans == 3
         assert core.broker.queues["orders.dlq"].record == replace(stored, dlq_of="orders")
@@ -421,7 +404,7 @@ def test_an_orphaned_dlq_whose_record_names_another_queue_is_taken_back_by_its_o
 
         await core.broker.admin.create_queue("orders", "", TO_DLQ, 5000)
         assert core.broker.admin.stats("orders.dlq").depth == 1
-        core, report = _restart(core)
+        core, report = restarted(core)
         assert report.relinked_queues == [] and report.orphans == 0
         assert core.broker.admin.stats("orders").depth == 3
         redriven, committed = core.broker.admin.redrive("orders.dlq", 0)

@@ -3,11 +3,12 @@
 Runs before the server accepts connections. Runtime config comes back first (a
 queue's scripts may read it as they load; throttle buckets start full), then the
 queues, then every stored message is placed by its side records: a live lease is
-restored with its deadline, a lease whose deadline passed while the broker was
-down counts as an expired delivery (attempt + 1,
-ready again), a delayed message keeps its due time, and everything else is
-ready. Scanning messages in key order, which is UUIDv7 order, rebuilds each
-fairness key's FIFO order and so the DRR rings; deficits start at zero.
+restored with its deadline, a lease whose deadline passed while the broker was down
+counts as an expired delivery (attempt + 1, ready again), a delayed message keeps its
+due time, and everything else is ready. A lease or a delay that began in this run's
+future (the clock was stepped back between runs) lasts at most its whole length from
+now (`_within_length`). Scanning messages in key order, which is UUIDv7 order,
+rebuilds each fairness key's FIFO order and so the DRR rings; deficits start at zero.
 
 Nothing is deleted because something else could not be read. Every scan either
 reads everything or raises `CorruptionError` (see `fila.storage.backend`), and a
@@ -83,6 +84,18 @@ def _linked(record: QueueRecord, records: dict[str, QueueRecord]) -> QueueRecord
     if parent is not None:
         return dlq_record(parent, record.created_at_ms)
     return replace(record, dlq_of=owner)
+
+
+def _within_length(end_ms: int, start_ms: int, now_ms: int) -> tuple[int, int]:
+    """(end, start) of a stored wait (a lease, a delay) moved so that from `now_ms` it
+    lasts at most its whole length: the clock stepped back between the run that
+    stored it and this one (or the queue moved from a node whose clock ran ahead)
+    when `start_ms` lies in the future. Kept as stored, a lease of 30 s after a step
+    back of two hours would hold its message for two hours. A step forward needs no
+    bound: the wait has ended, or ends sooner, as it would have by the wall clock."""
+    if start_ms <= now_ms:
+        return end_ms, start_ms
+    return now_ms + (end_ms - start_ms), now_ms
 
 
 def recover(broker: Broker) -> RecoveryReport:
@@ -161,6 +174,7 @@ def recover(broker: Broker) -> RecoveryReport:
         if lease is not None:
             deadline_ms, leased_at_ms = lease
             if deadline_ms > now:
+                deadline_ms, leased_at_ms = _within_length(deadline_ms, leased_at_ms, now)
                 queue.leases.restore(ref, deadline_ms, leased_at_ms)
                 report.leased += 1
                 continue
@@ -170,6 +184,8 @@ def recover(broker: Broker) -> RecoveryReport:
             committer.delete(keys.lease_key(key))
             report.expired += 1
         elif due is not None:
+            enqueued_ms = message.timestamps.enqueued_at.ToMilliseconds()
+            due, _ = _within_length(due, enqueued_ms, now)
             queue.delayed[key] = ref
             broker.timers.at(due, broker.release_delayed, (queue, ref))
             report.delayed += 1

@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection
 from fila import __version__
 from fila.config import Config, ConfigError, default_config_text, load_config
 from fila.core.broker import Broker, BrokerSettings
-from fila.core.clock import SystemClock
+from fila.core.clock import SteadyClock
 from fila.core.errors import BrokerError
 from fila.core.recovery import recover
 from fila.server import admin, service
@@ -162,7 +162,7 @@ async def serve(config: Config) -> ExitCode:
         storage,
         committer,
         BrokerSettings.from_config(config),
-        SystemClock(),
+        SteadyClock(),
         on_storage_failure=on_storage_failure,
     )
     cluster: ClusterNode | None = None

@@ -16,6 +16,7 @@ from fila.config import Config
 from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import ManualClock
 from fila.core.consumers import Consumer
+from fila.core.recovery import RecoveryReport, recover
 from fila.storage.backend import MemoryStorage
 from fila.storage.committer import Committer
 from fila.v1 import service_pb2
@@ -80,3 +81,18 @@ def make_core(
     for name in queues:
         broker.admin.create_queue(name, "", "", 1000)
     return CoreBroker(broker, storage, clock, committer)
+
+
+def restarted(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroker, RecoveryReport]:
+    """A new broker over the same storage and clock, rebuilt by recovery (a restart)."""
+    core.committer.flush_now()
+    committer = Committer(core.storage, "buffer", lambda exc: None)  # type: ignore[arg-type]
+    broker = Broker(
+        core.storage,
+        committer,
+        BrokerSettings.from_config(config or Config()),
+        core.clock,
+        loop_driven_timers=False,
+    )
+    report = recover(broker)
+    return CoreBroker(broker, core.storage, core.clock, committer), report
