@@ -204,6 +204,36 @@ def test_a_data_directory_in_use_says_so(server_factory: ServerFactory, tmp_path
     assert str(running.data_dir) in line
 
 
+def test_a_data_directory_that_cannot_be_created_is_one_line_exit_1(tmp_path: Path) -> None:
+    """A data_dir under a file (as under /dev/null, or on a read-only filesystem): the
+    mkdir fails, and the operator gets the directory and the reason, not a traceback."""
+    blocker = tmp_path / "a-file"
+    blocker.write_text("", encoding="utf-8")
+    data_dir = blocker / "data"
+    done, _ = _run_server(
+        tmp_path, env={"FILA_DATA_DIR": str(data_dir), "FILA_LISTEN_ADDR": "127.0.0.1:0"}
+    )
+    line = _one_line(done, STARTUP_FAILED)
+    assert str(data_dir) in line and "Not a directory" in line
+    assert "FILA_DATA_DIR" in line
+
+
+def test_a_direct_io_probe_that_cannot_be_removed_does_not_stop_the_broker(
+    server_factory: ServerFactory,
+) -> None:
+    """The probe's cleanup used to raise from its `finally` (on a read-only filesystem
+    even the unlink of a file never created fails): a traceback instead of an answer.
+    A directory where the probe file goes makes both the probe and its unlink fail."""
+    server = server_factory(start=False)
+    (server.data_dir / ".direct-io-probe" / "in-the-way").mkdir(parents=True)
+    server.start()
+    assert server.stop() == 0
+    log = server.log_text()
+    assert "Traceback" not in log
+    listening = next(line for line in log.splitlines() if "msg=listening" in line)
+    assert "direct_io=false" in listening
+
+
 def test_a_storage_failure_while_serving_exits_3_without_a_traceback(
     server_factory: ServerFactory, tmp_path: Path
 ) -> None:

@@ -20,6 +20,7 @@ truncating the log there, which would silently drop acknowledged writes.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import errno
 import mmap
 import os
@@ -114,9 +115,18 @@ class RocksStorage:
         """`direct_io`: write tables with O_DIRECT if the filesystem takes it (see
         `rocks_options`); `self.direct_io` says whether they are."""
         self.path = data_dir / "db"
-        data_dir.mkdir(parents=True, exist_ok=True)
-        self.direct_io = direct_io and supports_direct_io(data_dir)
-        if missing_current(self.path):
+        try:
+            data_dir.mkdir(parents=True, exist_ok=True)
+            self.direct_io = direct_io and supports_direct_io(data_dir)
+            damaged = missing_current(self.path)
+        except OSError as exc:
+            # A path under a file, a read-only or full filesystem, no permission: the
+            # operator's to fix, so one line naming the directory, not a traceback.
+            raise StorageError(
+                f"cannot use data directory {data_dir}: {exc.strerror or exc}; set "
+                "storage.data_dir or FILA_DATA_DIR to a directory the broker can write"
+            ) from None
+        if damaged:
             raise CorruptionError(
                 f"data in {self.path} is damaged: its CURRENT file, which names the live "
                 "MANIFEST, is missing. The broker refuses to start rather than begin an "
@@ -287,7 +297,12 @@ def supports_direct_io(directory: Path) -> bool:
     except OSError:
         return False
     finally:
-        probe.unlink(missing_ok=True)
+        # Best effort: on a read-only filesystem the unlink fails too (EROFS, even for a
+        # file that was never created), and a probe that cannot be removed is no reason
+        # to stop; a directory the broker cannot write is reported by the open that
+        # follows, in one line.
+        with contextlib.suppress(OSError):
+            probe.unlink(missing_ok=True)
     return True
 
 
