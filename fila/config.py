@@ -84,6 +84,28 @@ class Address:
         return None
 
 
+class ListenAddress:
+    """Constraint marker: where the broker listens. `host:port` (IPv6 hosts in brackets;
+    port 0 lets the system pick one), or a gRPC Unix socket (`unix:PATH`,
+    `unix-abstract:NAME`). Checked with the config rather than left to gRPC, which
+    reports only "address in use or not valid" when the broker starts: a typo then
+    passes `--check-config` and fails the deployment (exit 1, not 2)."""
+
+    __slots__ = ()
+
+    def problem(self, value: str) -> str | None:
+        """Why `value` is not a listen address, or None if it is."""
+        for scheme in ("unix:", "unix-abstract:"):
+            if value.startswith(scheme):
+                return None if value[len(scheme) :] else f"names no socket after {scheme}"
+        host, sep, port = value.rpartition(":")
+        if not sep or not (port == "0" or is_port(port)):
+            return "expected host:port (a port from 0 to 65535) or unix:PATH"
+        if host.startswith("[") != host.endswith("]") or " " in host or "/" in host:
+            return "the host is malformed"
+        return None
+
+
 @dataclass(frozen=True, slots=True)
 class AtMost:
     """Constraint marker: a numeric field must be <= `maximum`."""
@@ -104,7 +126,7 @@ REQUEST_OVERHEAD_BYTES = 64 * 1024
 
 @dataclass(frozen=True, slots=True)
 class ServerSection:
-    listen_addr: str = "127.0.0.1:5555"
+    listen_addr: Annotated[str, ListenAddress()] = "127.0.0.1:5555"
     max_message_bytes: Annotated[int, AtLeast(1), AtMost(256 * MiB)] = 4 * MiB
     max_headers: Annotated[int, AtLeast(1), AtMost(100_000)] = 64
     max_header_bytes: Annotated[int, AtLeast(1), AtMost(16 * MiB)] = 64 * 1024
@@ -114,9 +136,10 @@ class ServerSection:
     max_queue_depth: Annotated[int, AtLeast(0)] = 0
     max_queues: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 10_000
     max_connections: Annotated[int, AtLeast(1), AtMost(1_000_000)] = 1024
-    idle_connection_timeout_ms: Annotated[int, AtLeast(1000)] = 300_000
-    handshake_timeout_ms: Annotated[int, AtLeast(100)] = 5_000
-    # gRPC takes these as C ints of milliseconds; a day is far beyond any use.
+    # gRPC takes these four as C ints of milliseconds (2^31 - 1 at most: beyond, the
+    # broker failed at startup with an OverflowError); a day is far beyond any use.
+    idle_connection_timeout_ms: Annotated[int, AtLeast(1000), AtMost(86_400_000)] = 300_000
+    handshake_timeout_ms: Annotated[int, AtLeast(100), AtMost(86_400_000)] = 5_000
     keepalive_interval_ms: Annotated[int, AtLeast(1000), AtMost(86_400_000)] = 30_000
     keepalive_timeout_ms: Annotated[int, AtLeast(100), AtMost(86_400_000)] = 10_000
 
@@ -154,7 +177,9 @@ LogLevel = Literal["debug", "info", "warning", "error", "critical"]
 class TelemetrySection:
     otlp_endpoint: Annotated[str, Address("http", "https")] = ""
     service_name: str = "fila"
-    metrics_interval_ms: Annotated[int, AtLeast(100)] = 10000
+    # The OTLP reader waits this long on a thread lock, whose timeout the C runtime
+    # caps (about 292 years; beyond, the reader's thread died with an OverflowError).
+    metrics_interval_ms: Annotated[int, AtLeast(100), AtMost(86_400_000)] = 10000
     prometheus_listen: Annotated[str, Address()] = ""
     log_format: LogFormat = "logfmt"
     log_level: LogLevel = "info"
@@ -412,6 +437,8 @@ def _check(base: Any, markers: tuple[object, ...], key: str, value: Any, source:
             raise ConfigError(f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}')
         raise ConfigError(f'{source}: "{key}" must be {_TOML_TYPE_NAMES[base]}, got {_toml(value)}')
     for marker in markers:
+        if isinstance(marker, ListenAddress) and (problem := marker.problem(value)):
+            raise ConfigError(f'{source}: "{key}" {problem}, got {_toml(value)}')
         if isinstance(marker, Address) and value and (problem := marker.problem(value)):
             raise ConfigError(f'{source}: "{key}" {problem}, got {_toml(value)}')
         if isinstance(marker, AtLeast) and value < marker.minimum:

@@ -142,6 +142,64 @@ def test_invalid_values_name_the_key_and_the_file(
     assert "\n" not in message
 
 
+# gRPC takes these as C ints of milliseconds: 2^31 and beyond passed --check-config and
+# then failed at startup with an OverflowError traceback (exit 1 instead of 2).
+@pytest.mark.parametrize(
+    "text",
+    [
+        "[server]\nidle_connection_timeout_ms = 2147483648",
+        "[server]\nhandshake_timeout_ms = 3000000000",
+        "[server]\nkeepalive_interval_ms = 4294967296",
+        "[server]\nkeepalive_timeout_ms = 9223372036854775807",
+        "[telemetry]\nmetrics_interval_ms = 9223372036854775807",
+    ],
+)
+def test_durations_beyond_what_the_c_runtimes_take_are_refused(text: str) -> None:
+    key = text.split("\n")[1].split(" = ")[0]
+    with pytest.raises(ConfigError, match=rf"\.{key}\" must be <= 86400000") as err:
+        parse_config(text, "conf/fila.toml")
+    assert str(err.value).startswith("conf/fila.toml: ")
+    parse_config(text.split(" = ")[0] + " = 86400000", "conf/fila.toml")  # a day is fine
+
+
+@pytest.mark.parametrize(
+    ("value", "accepted"),
+    [
+        ("127.0.0.1:5555", True),
+        ("0.0.0.0:6000", True),
+        ("[::1]:5555", True),
+        ("[::]:5555", True),
+        ("localhost:5555", True),
+        ("127.0.0.1:0", True),  # any free port, as the tests' brokers listen
+        ("unix:/run/fila/fila.sock", True),
+        ("nonsense", False),
+        ("", False),
+        ("127.0.0.1", False),
+        ("127.0.0.1:65536", False),
+        ("127.0.0.1:http", False),
+        ("::1:5555:", False),
+        ("[::1:5555", False),
+        ("my host:5555", False),
+        ("http://127.0.0.1:5555", False),
+        ("unix:", False),
+    ],
+)
+def test_listen_addr_is_checked_with_the_config(
+    no_system_config: Path, value: str, accepted: bool
+) -> None:
+    """Left to gRPC, a bad address passed --check-config and failed only at startup."""
+    text = f"[server]\nlisten_addr = {json.dumps(value)}\n"
+    if accepted:
+        assert parse_config(text, "conf/fila.toml").server.listen_addr == value
+        assert load_config(None, {"FILA_LISTEN_ADDR": value})[0].server.listen_addr == value
+        return
+    with pytest.raises(ConfigError, match=r'^conf/fila\.toml: "server\.listen_addr" '):
+        parse_config(text, "conf/fila.toml")
+    if value:  # an empty variable is no override
+        with pytest.raises(ConfigError, match=r'^environment: "FILA_LISTEN_ADDR" '):
+            load_config(None, {"FILA_LISTEN_ADDR": value})
+
+
 # --- load_config: search order --------------------------------------------------------
 
 

@@ -176,6 +176,30 @@ def test_limits_beyond_what_grpc_can_carry_are_config_errors(tmp_path: Path) -> 
     assert '"server.max_request_bytes"' in line
 
 
+def test_values_grpc_would_refuse_at_startup_fail_check_config_with_exit_2(
+    tmp_path: Path,
+) -> None:
+    """Each used to pass --check-config, then stop the broker at startup: an
+    OverflowError traceback from gRPC's channel arguments, or "cannot listen" (exit 1)."""
+    config = tmp_path / "grpc.toml"
+    for text, key in [
+        (
+            "[server]\nidle_connection_timeout_ms = 3000000000\n",
+            '"server.idle_connection_timeout_ms"',
+        ),
+        ("[server]\nhandshake_timeout_ms = 2147483648\n", '"server.handshake_timeout_ms"'),
+        ('[server]\nlisten_addr = "nonsense"\n', '"server.listen_addr"'),
+    ]:
+        config.write_text(text, encoding="utf-8")
+        for args in (["--check-config"], []):
+            done, _ = _run_server(tmp_path, *args, "--config", str(config))
+            assert key in _one_line(done, BAD_CONFIG)
+    for args in (["--check-config"], []):
+        done, _ = _run_server(tmp_path, *args, env={"FILA_LISTEN_ADDR": "nonsense"})
+        assert '"FILA_LISTEN_ADDR"' in _one_line(done, BAD_CONFIG)
+    assert not (tmp_path / "data").exists()  # refused before anything was opened
+
+
 def test_a_bad_log_level_is_a_config_error(tmp_path: Path) -> None:
     done, _ = _run_server(tmp_path, env={"FILA_LOG_LEVEL": "verbose"})
     assert "FILA_LOG_LEVEL" in _one_line(done, BAD_CONFIG)
