@@ -16,6 +16,7 @@ raise.
 
 from __future__ import annotations
 
+import logging
 import random
 import statistics
 import threading
@@ -33,7 +34,13 @@ from support import ServerFactory, wait_until
 from support.stubs import Fila, connect, rpc_error
 from support.timing import TimedConsumer, rss_bytes, thread_sched
 
-from fila.lua.hooks import DEFAULT_ENQUEUE, DEFAULT_FAILURE, LuaLimits, QueueHooks
+from fila.lua.hooks import (
+    DEFAULT_ENQUEUE,
+    DEFAULT_FAILURE,
+    FailureLog,
+    LuaLimits,
+    QueueHooks,
+)
 from fila.lua.sandbox import ScriptError
 from fila.server.process import ServerProcess
 from fila.v1 import admin_pb2, messages_pb2, service_pb2
@@ -838,6 +845,68 @@ def test_print_is_logged_marked_quoted_and_rate_limited(server_factory: ServerFa
     assert keys <= {"printed", "default"}
 
 
+# --------------------------------------------------------------- hook failure lines
+
+SOMETIMES_FAILING = """
+function on_enqueue(m)
+  if m.headers.bad then error(m.headers.bad) end
+  return { fairness_key = "fine" }
+end
+"""
+
+
+def _hook_failure_lines(log: str) -> list[str]:
+    return [line for line in log.splitlines() if "lua hook failed" in line]
+
+
+def test_hook_failures_are_rate_limited_and_the_dropped_ones_counted(
+    server_factory: ServerFactory,
+) -> None:
+    """A hook that fails for every second message never opens the breaker (successes
+    reset it): it logged one WARNING per failure, each with up to 500 characters the
+    producer chose (1,000 lines in 2.7 s). Now a burst of 10 and one a second per queue,
+    and the next line that gets through counts the dropped ones, so every failure is
+    accounted for."""
+    server = server_factory()
+    big = "x" * 400
+    with connect(server.addr) as fila:
+        fila.create_queue("flaky", on_enqueue=SOMETIMES_FAILING)
+        before = len(server.log_text())
+        began = time.monotonic()
+        failures = 0
+        for i in range(400):
+            failing = i % 2 == 1
+            fila.enqueue("flaky", b"p", {"bad": f"boom {i} {big}"} if failing else {})
+            failures += failing
+        elapsed = time.monotonic() - began
+        flood = _hook_failure_lines(server.log_text()[before:])
+        allowed = 10 + 1 * elapsed + 1
+        assert 0 < len(flood) <= allowed, f"{len(flood)} lines in {elapsed:.2f}s"
+
+        def a_line_with_the_dropped_count() -> bool:
+            nonlocal failures
+            # a success first: three failures in a row would open the breaker
+            fila.enqueue("flaky", b"p")
+            # the line, if any, is written before Enqueue answers
+            fila.enqueue("flaky", b"p", {"bad": "again"})
+            failures += 1
+            return "dropped_before=" in _hook_failure_lines(server.log_text()[before:])[-1]
+
+        # a token comes back within a second; the interval only paces the polling
+        wait_until(a_line_with_the_dropped_count, 10, interval=0.05, what="dropped count")
+        stats = fila.stats("flaky")
+    lines = _hook_failure_lines(server.log_text()[before:])
+    dropped = [
+        int(line.split("dropped_before=")[1].split()[0])
+        for line in lines
+        if "dropped_before=" in line
+    ]
+    # the last failure was logged: nothing is pending, every failure is a line or counted
+    assert len(lines) + sum(dropped) == failures, (len(lines), dropped, failures)
+    assert all("queue=flaky" in line and "hook=on_enqueue" in line for line in lines)
+    assert stats.depth == 2 * failures  # every message was taken, failing or not
+
+
 # --------------------------------------------------------------- in-process checks
 
 
@@ -980,3 +1049,37 @@ def test_time_spent_inside_one_instruction_counts_against_the_budget() -> None:
     assert hooks.on_enqueue({}, 1) == DEFAULT_ENQUEUE
     counters = hooks.counters()["on_enqueue"]
     assert counters.failed == 1 and "budget" in counters.last_error
+
+
+def test_failure_log_lets_a_burst_through_then_one_a_second_and_counts_the_rest(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In-process, on a clock the test moves: the limit, and the count carried by the
+    next line that gets through."""
+    now = [100.0]
+    failure_log = FailureLog("q", clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="fila.lua"):
+        for i in range(100):
+            failure_log.failed("on_enqueue", f"boom {i}")
+        assert len(caplog.records) == 10
+        assert failure_log.dropped == 90
+        now[0] += 1.0
+        failure_log.failed("on_failure", "later")
+    last = caplog.records[-1]
+    assert len(caplog.records) == 11 and failure_log.dropped == 0
+    assert last.dropped_before == 90 and last.hook == "on_failure"  # type: ignore[attr-defined]
+    assert '"later"' in last.getMessage() and "queue=q" in last.getMessage()
+    assert getattr(caplog.records[0], "dropped_before", None) is None
+
+
+def test_a_queue_of_sometimes_failing_hooks_logs_a_bounded_number_of_lines(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """In-process: QueueHooks sends its failures through the limit (every one is still
+    counted in the hook's counters)."""
+    hooks = _hooks(SOMETIMES_FAILING)
+    with caplog.at_level(logging.WARNING, logger="fila.lua"):
+        for i in range(200):
+            hooks.on_enqueue({"bad": "boom"} if i % 2 else {}, 1)
+    assert hooks.counters()["on_enqueue"].failed == 100
+    assert 1 <= len(caplog.records) <= 12, len(caplog.records)

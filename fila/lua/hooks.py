@@ -7,19 +7,25 @@ message gets the default decision and the failure is counted. `on_enqueue` and
 of changing a message's state, and an exception there would leave the message half
 moved. After `threshold` consecutive failures the hook is bypassed for `cooldown`, so
 a broken script costs at most a few budgets per cooldown instead of one per message.
+
+A hook that fails for some messages only (a header some producers send) never opens
+the breaker, since each success resets it; its failures are logged through
+`FailureLog`, rate limited per queue, because the error text is the script's and may
+be the producer's.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
 from fila.core.clock import Clock
 from fila.lua.sandbox import LuaSandbox, Outcome, ScriptError
-from fila.lua.script_log import ScriptLog
+from fila.lua.script_log import ScriptLog, _Bucket
 
 log = logging.getLogger("fila.lua")
 
@@ -84,12 +90,56 @@ class _Breaker:
 
 @dataclass(slots=True)
 class _Hook:
+    name: str
     breaker: _Breaker
     counters: HookCounters = field(default_factory=HookCounters)
 
 
 # how much of a failure's text is kept in HookCounters.last_error and logged
 ERROR_TEXT_MAX = 500
+
+
+# Hook failure lines: per queue, bursts of FAILURE_LOG_BURST then one a second; all
+# queues together FAILURE_LOG_TOTAL_RATE a second (bursts of FAILURE_LOG_TOTAL_BURST).
+FAILURE_LOG_BURST = 10.0
+FAILURE_LOG_RATE = 1.0
+FAILURE_LOG_TOTAL_BURST = 50.0
+FAILURE_LOG_TOTAL_RATE = 20.0
+_ALL_FAILURES = _Bucket(
+    FAILURE_LOG_TOTAL_RATE, FAILURE_LOG_TOTAL_BURST, FAILURE_LOG_TOTAL_BURST, time.monotonic()
+)
+
+
+class FailureLog:
+    """The WARNING lines of one queue's hook failures, rate limited like Lua `print`.
+
+    Unlimited, a hook failing for every second message logged a line per failure,
+    each with up to `ERROR_TEXT_MAX` characters of the script's error text (which a
+    producer can choose through headers): 1,000 lines in 2.7 s from one client. Lines
+    over the rate are dropped and counted; the next line that gets through carries the
+    count (`dropped_before`), so an operator still learns that, and how often, the hook
+    fails. `fila_lua_executions_total{outcome="failed"}` counts every failure.
+    """
+
+    def __init__(self, queue: str, clock: Callable[[], float] = time.monotonic) -> None:
+        self._queue = queue
+        self._clock = clock
+        self._bucket = _Bucket(FAILURE_LOG_RATE, FAILURE_LOG_BURST, FAILURE_LOG_BURST, clock())
+        self.dropped = 0
+
+    def failed(self, hook: str, text: str) -> None:
+        now = self._clock()
+        if not self._bucket.take(now) or not _ALL_FAILURES.take(time.monotonic()):
+            self.dropped += 1
+            return
+        dropped, self.dropped = self.dropped, 0
+        # quoted: a script's error text must not be able to forge log lines
+        log.warning(
+            "lua hook failed queue=%s error=%s",
+            self._queue,
+            json.dumps(text, ensure_ascii=False),
+            extra={"hook": hook, "dropped_before": dropped or None},
+        )
 
 
 def validate_scripts(on_enqueue: str, on_failure: str, limits: LuaLimits) -> None:
@@ -120,6 +170,7 @@ class QueueHooks:
     ) -> None:
         self._queue = queue
         self._clock = clock
+        self._failure_log = FailureLog(queue)
         self._sandbox = LuaSandbox(
             queue=queue,
             timeout_ms=limits.timeout_ms,
@@ -191,10 +242,7 @@ class QueueHooks:
         hook.counters.failed += 1
         text = str(outcome[1])[:ERROR_TEXT_MAX]
         hook.counters.last_error = text
-        # quoted: a script's error text must not be able to forge log lines
-        log.warning(
-            "lua hook failed queue=%s error=%s", self._queue, json.dumps(text, ensure_ascii=False)
-        )
+        self._failure_log.failed(hook.name, text)
 
     def _load(self, source: str, name: str, limits: LuaLimits) -> _Hook | None:
         if not source.strip():
@@ -203,7 +251,7 @@ class QueueHooks:
             self._sandbox.load(name, source)
         except ScriptError as exc:
             raise ScriptError(f"{name} script {exc}") from None
-        return _Hook(_Breaker(limits.breaker_threshold, limits.breaker_cooldown_ms))
+        return _Hook(name, _Breaker(limits.breaker_threshold, limits.breaker_cooldown_ms))
 
 
 def _unforeseen(exc: Exception) -> Outcome:
