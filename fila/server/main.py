@@ -1,4 +1,4 @@
-"""`fila-server`: load config, recover state, serve gRPC until SIGTERM/SIGINT.
+"""`fila-server`: load config, recover state, serve gRPC until SIGTERM, SIGINT or SIGHUP.
 
 Shutdown order matters for durability: stop taking new work, end consume
 streams (returning unsent deliveries to their queues), let in-flight unary
@@ -8,6 +8,17 @@ listens and leaves it first when it stops (see `fila.cluster.node`).
 
 Every way startup can fail ends with one line on stderr naming the cause and the
 way out, and a documented exit code (see `ExitCode`); no traceback.
+
+Signals (docs/operations.md, "Exit codes and signals"). SIGTERM, SIGINT and SIGHUP
+(a closed terminal; some supervisors) stop the broker gracefully once it serves.
+Before that, while storage opens and recovery runs, one of them ends the process at
+once with one line and exit code 0 (`_abandon_startup`): nothing was served, and
+nothing the interrupted start did needs undoing, since the store recovers from any
+point as it does from a crash, and recovery writes its repairs in one batch at its
+end. Raising instead (Python's KeyboardInterrupt) surfaced wherever recovery was, and
+unwinding through asyncio and gRPC printed a 28-line traceback. SIGUSR1 and SIGUSR2,
+whose default action would kill the broker with no drain and no log line, are
+ignored with a warning. SIGQUIT keeps its default (a core dump is what it asks for).
 """
 
 from __future__ import annotations
@@ -68,6 +79,42 @@ class ExitCode(IntEnum):
     # names a cluster node id, address or data directory that another node holds
     STORAGE_FAILED = 3  # a write or sync failed while serving; the broker stopped
     DATA_DAMAGED = 4  # stored data failed its checksums; see `fila-server --repair`
+
+
+# Stop the broker (see the module docstring).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+# No meaning for fila-server: ignored, with a warning, rather than fatal.
+IGNORED_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2)
+
+
+def _abandon_startup(signum: int, frame: object) -> None:
+    """A stop signal before the broker serves: one line, exit 0, nothing more run.
+
+    `os._exit`, not an exception: no code of the interrupted start (a recovery
+    half-way through its scan, its writes still pending) runs after this, and nothing
+    is written; what is on disk is what was there, which the next start recovers."""
+    name = signal.Signals(signum).name
+    os.write(
+        sys.stderr.fileno(),
+        f"fila-server: stopped by {name} while starting, before serving; stored data is "
+        "as it was\n".encode(),
+    )
+    os._exit(ExitCode.OK)
+
+
+def _ignore_signal(signum: int, frame: object = None) -> None:
+    log.warning(
+        "ignored %s: it has no meaning for fila-server (SIGTERM, SIGINT or SIGHUP stop it)",
+        signal.Signals(signum).name,
+    )
+
+
+def _install_startup_signals() -> None:
+    """Until `serve` hands the signals to its event loop (see the module docstring)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, _abandon_startup)
+    for sig in IGNORED_SIGNALS:
+        signal.signal(sig, _ignore_signal)
 
 
 class StartupError(Exception):
@@ -186,6 +233,19 @@ async def serve(config: Config) -> ExitCode:
             "(fila-server --repair)",
             ExitCode.DATA_DAMAGED,
         ) from None
+    # From here startup awaits (the cluster join): the event loop takes the signals, and
+    # a stop asked for now is a graceful one, carried out as soon as the broker serves.
+    loop = asyncio.get_running_loop()
+    stopped_by: list[str] = []
+
+    def stop_requested(sig: signal.Signals) -> None:
+        stopped_by.append(sig.name)
+        stop.set()
+
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop_requested, sig)
+    for sig in IGNORED_SIGNALS:
+        loop.add_signal_handler(sig, _ignore_signal, sig)
     if cluster is not None:
         from fila.cluster.errors import Misconfigured  # loaded with ClusterNode already
 
@@ -259,9 +319,6 @@ async def serve(config: Config) -> ExitCode:
         cluster_task.add_done_callback(lambda task: _cluster_ended(task, stop))
     for name in ("", service.SERVICE_NAME, admin.SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
     log.info(
         "listening",
         extra={
@@ -279,7 +336,7 @@ async def serve(config: Config) -> ExitCode:
     )
     await stop.wait()
 
-    log.info("shutting down")
+    log.info("shutting down", extra={"signal": stopped_by[0] if stopped_by else None})
     await health_servicer.enter_graceful_shutdown()
     if cluster is not None:
         await cluster.leave()
@@ -402,11 +459,17 @@ def main(argv: list[str] | None = None) -> int:
     configure_logging(level, config.telemetry.log_format)
     if args.repair:
         return _repair(Path(config.storage.data_dir))
+    _install_startup_signals()
     log.info("config loaded", extra={"source": str(source or "built-in defaults")})
     try:
         return asyncio.run(serve(config))
     except StartupError as exc:
         return _fail(str(exc), exc.code)
+    finally:
+        # The loop gave the signals their default actions back when it closed: the
+        # broker has stopped (or never started); a late one changes nothing now.
+        for sig in (*STOP_SIGNALS, *IGNORED_SIGNALS):
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _repair(data_dir: Path) -> int:
