@@ -1,14 +1,16 @@
 """Turning `[telemetry]` into running exporters, and stopping them without delay.
 
 - `prometheus_listen` set: an HTTP endpoint serving Prometheus text at `/metrics`
-  (`opentelemetry-exporter-prometheus` on `prometheus_client`'s server). A scrape runs
-  one collection on the server's thread.
+  (`fila.telemetry.endpoint`, bounded in connections, time and concurrent
+  collections), written from the broker's counters by `fila.telemetry.prometheus`
+  and prometheus_client's process and GC collectors. A scrape's collection runs on
+  the endpoint's threads, one at a time, shared by the scrapes that arrive during it.
 - `otlp_endpoint` set: metrics pushed over OTLP/gRPC every `metrics_interval_ms`, and
   the tracing interceptor, whose spans are batched and pushed to the same endpoint.
 - neither: no provider, no thread, no socket; the broker behaves as without telemetry.
 
 Every export runs on a thread of its own (the OTLP reader's ticker, the span batcher,
-the HTTP server), never on the event loop, so a collector that is slow or down cannot
+the endpoint's), never on the event loop, so a collector that is slow or down cannot
 delay a request: the exporter's retries sleep on its thread, spans that cannot be sent
 are dropped once the batcher's bounded queue is full, and the log lines they cause are
 rate-limited (`logs.QuietLibraries`). Shutdown gives each exporter a short, bounded
@@ -26,26 +28,25 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider, ObservableCounter, ObservableGauge
 from opentelemetry.sdk.metrics.export import MetricsData, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import SERVICE_NAME, SERVICE_VERSION, Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF, ParentBased
-from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector, start_http_server
+from prometheus_client import CollectorRegistry, GCCollector, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from fila import __version__
 from fila.config import TelemetrySection
 from fila.core.throttle import MAX_COUNTED_KEYS
+from fila.telemetry.endpoint import MetricsEndpoint
 from fila.telemetry.metrics import SCOPE, BrokerMetrics, cardinality_limit
+from fila.telemetry.prometheus import PrometheusExposition, TargetInfo
 from fila.telemetry.tracing import TracingInterceptor
 
 if TYPE_CHECKING:
-    from wsgiref.simple_server import WSGIServer
-
     from fila.core.broker import Broker
     from fila.storage.committer import Committer
 
@@ -88,18 +89,6 @@ class _Augmented:
         )
 
 
-class _PrometheusReader(_Augmented, PrometheusMetricReader):
-    """The Prometheus reader, with the core's histograms added to each collection."""
-
-    def __init__(self, augment: Augment, registry: CollectorRegistry, limit: int) -> None:
-        super().__init__(
-            scope_info_enabled=False,
-            registry=registry,
-            cardinality_limits={ObservableCounter: limit, ObservableGauge: limit},
-        )
-        self._augment = augment
-
-
 class _PeriodicReader(_Augmented, PeriodicExportingMetricReader):
     """The periodic OTLP reader, with the core's histograms added to each collection."""
 
@@ -135,7 +124,7 @@ class Telemetry:
         self,
         meters: MeterProvider,
         tracer_provider: TracerProvider | None,
-        prometheus: tuple[WSGIServer, threading.Thread] | None,
+        prometheus: MetricsEndpoint | None,
     ) -> None:
         self._meters = meters
         self._tracer_provider = tracer_provider
@@ -158,14 +147,16 @@ class Telemetry:
             return metrics.with_histograms(data, resource)
 
         limit = cardinality_limit(max_queues, MAX_COUNTED_KEYS)
-        readers: list[PrometheusMetricReader | PeriodicExportingMetricReader] = []
-        registry = None
+        readers: list[PeriodicExportingMetricReader] = []
+        exposition = None
         if section.prometheus_listen:
             registry = CollectorRegistry()
             ProcessCollector(registry=registry)  # process_cpu_seconds_total, RSS, open fds
             GCCollector(registry=registry)  # python_gc_collections_total by generation
             registry.register(_FrozenObjects())
-            readers.append(_PrometheusReader(augment, registry, limit))
+            registry.register(TargetInfo(resource))
+            # Not an OpenTelemetry reader: see fila.telemetry.prometheus for why.
+            exposition = PrometheusExposition(broker, committer, registry)
         tracer_provider = None
         if section.otlp_endpoint:
             endpoint, insecure = otlp_target(section.otlp_endpoint)
@@ -180,10 +171,10 @@ class Telemetry:
         meters = MeterProvider(resource=resource, metric_readers=readers, shutdown_on_exit=False)
         metrics.register(meters.get_meter(SCOPE, __version__))
         prometheus = None
-        if registry is not None:  # listen only once there is something to collect
+        if exposition is not None:  # listen only once there is something to collect
             host, port = split_listen(section.prometheus_listen)
             try:
-                prometheus = start_http_server(port, host, registry)
+                prometheus = MetricsEndpoint(host, port, exposition.render)
             except OSError as exc:
                 cls(meters, tracer_provider, None).shutdown()
                 raise TelemetryStartError(
@@ -199,10 +190,7 @@ class Telemetry:
         retries, so it runs on a helper thread that is waited for with a timeout and,
         being a daemon, cannot hold the process up past that."""
         if self._prometheus is not None:
-            server, thread = self._prometheus
-            server.shutdown()
-            server.server_close()
-            thread.join(SHUTDOWN_TIMEOUT_S)
+            self._prometheus.stop(SHUTDOWN_TIMEOUT_S)
         try:
             self._meters.shutdown(timeout_millis=SHUTDOWN_TIMEOUT_S * 1000)
         except Exception as exc:  # the SDK raises a plain Exception listing its readers

@@ -2,18 +2,21 @@
 
 Nothing here runs on the hot path. Counters and gauges are OpenTelemetry observable
 instruments whose callbacks read what the core already counts (`QueueCounters`,
-`HookCounters`, `Throttles.limited`, queue sizes) when a reader collects: on a
-Prometheus scrape, or every `metrics_interval_ms` for OTLP. Histograms are counted in
+`HookCounters`, `Throttles.limited`, queue sizes) when a reader collects: every
+`metrics_interval_ms` for OTLP. Histograms are counted in
 fixed buckets by the core (`fila.telemetry.histogram`) and turned into OpenTelemetry
 histogram points here, because the SDK has no asynchronous histogram instrument and
 recording each delivery into a synchronous one would cost microseconds per message.
 `exporters.py` merges those points into each collection (`with_histograms`).
 
-Collection runs on the exporter's thread (the Prometheus HTTP server's, or the OTLP
-reader's), not on the event loop. It reads only, and takes copies of the broker's
-dictionaries with single C-level calls (`list(d.values())`, `d.copy()`), which the
-GIL makes atomic, so a queue created meanwhile cannot break an iteration. Values read
-this way may be a moment apart from each other; monitoring does not need better.
+These instruments feed OTLP. The Prometheus endpoint reads the same counters with
+the same names and descriptions, but writes its text directly
+(`fila.telemetry.prometheus`, which says why). Collection runs on the exporter's
+thread (the OTLP reader's, or the endpoint's), not on the event loop. It reads only,
+and takes copies of the broker's dictionaries with single C-level calls
+(`list(d.values())`, `d.copy()`), which the GIL makes atomic, so a queue created
+meanwhile cannot break an iteration. Values read this way may be a moment apart from
+each other; monitoring does not need better.
 
 Names, units and attributes are the contract with dashboards and alerts
 (docs/operations.md, deploy/grafana/): change them only together.
@@ -91,6 +94,23 @@ DELIVERY_LATENCY = "fila.delivery.latency"
 FSYNC_DURATION = "fila.storage.fsync.duration"
 LUA_OUTCOMES = ("ok", "failed", "bypassed")
 
+# Descriptions shared by the OTLP instruments and the Prometheus exposition
+# (`fila.telemetry.prometheus`), which must say the same thing.
+LUA_EXECUTIONS_HELP = (
+    "Lua hook runs by queue, hook (on_enqueue, on_failure) and outcome "
+    "(ok; failed: error, budget or bad result, defaults used; bypassed: circuit "
+    "breaker open, defaults used)"
+)
+THROTTLE_LIMITED_HELP = (
+    "Deliveries held back because a throttle key had no token, by that "
+    "key (keys past the first 1,000 seen are counted as throttle_key=other)"
+)
+DELIVERY_LATENCY_HELP = (
+    "Time from enqueue to first delivery (from the message id's UUIDv7 "
+    "timestamp; includes any delay_ms; retries are not counted)"
+)
+FSYNC_DURATION_HELP = "Duration of each write-ahead-log fsync"
+
 SCOPE = "fila"
 
 
@@ -126,16 +146,13 @@ class BrokerMetrics:
             LUA_EXECUTIONS,
             [self._lua_executions],
             unit="{execution}",
-            description="Lua hook runs by queue, hook (on_enqueue, on_failure) and outcome "
-            "(ok; failed: error, budget or bad result, defaults used; bypassed: circuit "
-            "breaker open, defaults used)",
+            description=LUA_EXECUTIONS_HELP,
         )
         meter.create_observable_counter(
             THROTTLE_LIMITED,
             [self._throttle_limited],
             unit="{delivery}",
-            description="Deliveries held back because a throttle key had no token, by that "
-            "key (keys past the first 1,000 seen are counted as throttle_key=other)",
+            description=THROTTLE_LIMITED_HELP,
         )
 
     def _queues(self) -> list[Queue]:
@@ -193,13 +210,8 @@ class BrokerMetrics:
         ]
         fsync = [_point(self._committer.fsync_seconds.snapshot(), {}, started, now)]
         return [
-            _histogram(
-                DELIVERY_LATENCY,
-                "Time from enqueue to first delivery (from the message id's UUIDv7 "
-                "timestamp; includes any delay_ms; retries are not counted)",
-                latency,
-            ),
-            _histogram(FSYNC_DURATION, "Duration of each write-ahead-log fsync", fsync),
+            _histogram(DELIVERY_LATENCY, DELIVERY_LATENCY_HELP, latency),
+            _histogram(FSYNC_DURATION, FSYNC_DURATION_HELP, fsync),
         ]
 
     def with_histograms(self, data: MetricsData, resource: Resource) -> MetricsData:
