@@ -56,7 +56,6 @@ import urllib.request
 from collections.abc import Iterator
 from concurrent import futures
 from dataclasses import dataclass, field
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -376,13 +375,12 @@ def config_for(
 
 def micro() -> None:
     """Per-delivery and per-collection costs, timed in this process (see the docstring)."""
-    from opentelemetry.sdk.metrics import MeterProvider
-    from opentelemetry.sdk.resources import Resource
-    from prometheus_client import CollectorRegistry, generate_latest
+    import tracemalloc
+
+    from prometheus_client import CollectorRegistry
 
     from fila.core.records import MessageRef
-    from fila.telemetry.exporters import _PrometheusReader
-    from fila.telemetry.metrics import BrokerMetrics
+    from fila.telemetry.prometheus import PrometheusExposition, negotiate
     from fila.v1 import service_pb2 as s
 
     sys.path.insert(0, str(REPO / "tests"))
@@ -416,26 +414,24 @@ def micro() -> None:
         rounds.append((with_latency - without) / len(refs) * 1e9)
     print(f"latency bucket per first delivery: {statistics.median(rounds):.0f} ns (median of 20)")
 
-    for queues in (10, 100, 1000):
+    for queues in (10, 100, 1000, 5000):
         core = asyncio.run(build(queues))
-        metrics = BrokerMetrics(core.broker, core.committer)
-        registry = CollectorRegistry()
-        resource = Resource.create({})
-        reader = _PrometheusReader(
-            partial(metrics.with_histograms, resource=resource), registry, 100_000
-        )
-        provider = MeterProvider(metric_readers=[reader], shutdown_on_exit=False)
-        metrics.register(provider.get_meter("fila"))
-        generate_latest(registry)  # warm up
+        exposition = PrometheusExposition(core.broker, core.committer, CollectorRegistry())
+        fmt = negotiate(None)
+        exposition.render(fmt)  # warm up
         times = []
-        for _ in range(10):
+        for _ in range(5):
             started = time.process_time()
-            body = generate_latest(registry)
+            body = b"".join(exposition.render(fmt))
             times.append(time.process_time() - started)
-        provider.shutdown()
+        tracemalloc.start()  # apart: tracing every allocation slows the render several-fold
+        exposition.render(fmt)
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
         print(
             f"one Prometheus collection, {queues:>4} queues (+DLQs): "
-            f"{statistics.median(times) * 1000:.1f} ms CPU, {len(body) / 1024:.0f} KiB"
+            f"{statistics.median(times) * 1000:.1f} ms CPU, {peak / 2**20:.1f} MiB at peak, "
+            f"{len(body) / 1024:.0f} KiB"
         )
 
 
