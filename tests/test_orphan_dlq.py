@@ -62,6 +62,14 @@ def _lose_record(core: CoreBroker, name: str) -> None:
     core.storage.write(batch)
 
 
+async def _redrive_all(core: CoreBroker, dlq: str) -> int:
+    """Redrives every message of `dlq` into its queue; returns how many moved."""
+    redriven, committed = core.broker.admin.redrive(dlq, 0)
+    await committed
+    await core.settle()
+    return redriven
+
+
 async def _dead_letter(core: CoreBroker, queue: str, count: int) -> list[str]:
     """Enqueues `count` messages on `queue` (whose on_failure is `TO_DLQ`, and which
     holds nothing ready yet) and nacks each into the DLQ; returns their ids."""
@@ -132,9 +140,7 @@ def test_creating_a_queue_again_adopts_its_orphaned_dlq_and_a_restart_brings_all
         assert core.broker.admin.stats("orders").depth == 3
         assert core.broker.admin.stats("orders.dlq").depth == 1
         # and a redrive moves the dead letter home
-        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
-        await committed
-        await core.settle()
+        redriven = await _redrive_all(core, "orders.dlq")
         assert redriven == 1 and core.broker.admin.stats("orders").depth == 4
 
     run(scenario)
@@ -269,9 +275,7 @@ def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
         core, report = restarted(core)
         assert report.recreated_dlqs == [] and report.orphans == 0
         assert core.broker.admin.stats("orders.dlq").depth == 3
-        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
-        await committed
-        await core.settle()
+        redriven = await _redrive_all(core, "orders.dlq")
         assert redriven == 3 and core.broker.admin.stats("orders").depth == 3
 
     run(scenario)
@@ -359,9 +363,7 @@ def test_a_record_whose_dlq_link_disagrees_with_its_name_is_corrected_from_the_n
 
         await _dead_letter(core, "orders", 1)
         assert core.broker.admin.stats("orders.dlq").depth == 2
-        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
-        await committed
-        await core.settle()
+        redriven = await _redrive_all(core, "orders.dlq")
         assert redriven == 2
         assert core.broker.admin.stats("orders").depth == 2
         assert core.broker.admin.stats("billing").depth == 0
@@ -407,9 +409,7 @@ def test_an_orphaned_dlq_whose_record_names_another_queue_is_taken_back_by_its_o
         core, report = restarted(core)
         assert report.relinked_queues == [] and report.orphans == 0
         assert core.broker.admin.stats("orders").depth == 3
-        redriven, committed = core.broker.admin.redrive("orders.dlq", 0)
-        await committed
-        await core.settle()
+        redriven = await _redrive_all(core, "orders.dlq")
         assert redriven == 1 and core.broker.admin.stats("orders").depth == 4
         assert core.broker.admin.stats("billing").depth == 0
 

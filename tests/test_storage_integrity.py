@@ -191,6 +191,15 @@ def _readable_by_lookup(data_dir: Path, wanted: list[bytes]) -> set[bytes]:
     return readable
 
 
+def _stored_keys(data_dir: Path) -> set[bytes]:
+    """Every queue and message key a repaired data directory holds."""
+    storage = RocksStorage(data_dir)
+    try:
+        return {key for prefix in (keys.QUEUE, keys.MESSAGE) for key, _ in storage.scan(prefix)}
+    finally:
+        storage.close()
+
+
 def test_repair_keeps_every_readable_block_between_damaged_ones(tmp_path: Path) -> None:
     """One byte flipped in each of 10 blocks spread over one table: the search for the
     next readable key after a damaged block doubled its step past the readable blocks
@@ -215,11 +224,7 @@ def test_repair_keeps_every_readable_block_between_damaged_ones(tmp_path: Path) 
     code, output = _run_repair(data_dir)
 
     assert code == 0, output
-    storage = RocksStorage(data_dir)
-    try:
-        kept = {key for prefix in (keys.QUEUE, keys.MESSAGE) for key, _ in storage.scan(prefix)}
-    finally:
-        storage.close()
+    kept = _stored_keys(data_dir)
     dropped = readable - kept
     assert not dropped, f"repair dropped {len(dropped)} readable keys; kept {len(kept)}"
     assert kept <= set(ordered)
@@ -283,11 +288,7 @@ def test_repair_keeps_a_readable_key_that_is_the_previous_key_plus_a_zero_byte(
 
     report = salvage.salvage(data_dir)
 
-    storage = RocksStorage(data_dir)
-    try:
-        kept = {key for prefix in (keys.QUEUE, keys.MESSAGE) for key, _ in storage.scan(prefix)}
-    finally:
-        storage.close()
+    kept = _stored_keys(data_dir)
     dropped = readable - kept
     assert not dropped, f"repair dropped {len(dropped)} readable keys, e.g. {min(dropped)!r}"
     assert kept <= set(ordered)
