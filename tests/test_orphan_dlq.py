@@ -62,6 +62,15 @@ def _lose_record(core: CoreBroker, name: str) -> None:
     core.storage.write(batch)
 
 
+async def _orders_and_billing() -> CoreBroker:
+    """Two queues that dead-letter on failure, `orders` with one dead letter."""
+    core = make_core()
+    for name in ("orders", "billing"):
+        await core.broker.admin.create_queue(name, "", TO_DLQ, 5000)
+    await _dead_letter(core, "orders", 1)
+    return core
+
+
 async def _redrive_all(core: CoreBroker, dlq: str) -> int:
     """Redrives every message of `dlq` into its queue; returns how many moved."""
     redriven, committed = core.broker.admin.redrive(dlq, 0)
@@ -340,10 +349,7 @@ def test_a_record_whose_dlq_link_disagrees_with_its_name_is_corrected_from_the_n
 
     async def scenario() -> None:
         caplog.set_level(logging.WARNING, logger="fila.recovery")
-        core = make_core()
-        for name in ("orders", "billing"):
-            await core.broker.admin.create_queue(name, "", TO_DLQ, 5000)
-        await _dead_letter(core, "orders", 1)
+        core = await _orders_and_billing()
         written = {name: _stored(core, name) for name in _QUEUES}
         stored = written[damaged]
         assert stored is not None
@@ -386,10 +392,7 @@ def test_an_orphaned_dlq_whose_record_names_another_queue_is_taken_back_by_its_o
 
     async def scenario() -> None:
         caplog.set_level(logging.WARNING, logger="fila.recovery")
-        core = make_core()
-        for name in ("orders", "billing"):
-            await core.broker.admin.create_queue(name, "", TO_DLQ, 5000)
-        await _dead_letter(core, "orders", 1)
+        core = await _orders_and_billing()
         await core.enqueue("orders", 3)
         stored = _stored(core, "orders.dlq")
         assert stored is not None
