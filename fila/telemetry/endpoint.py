@@ -285,10 +285,16 @@ class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        """`ThreadingMixIn`'s, with the slot given back before the socket is closed: a
+        client that sees its connection end can count on the slot being free (it
+        was not, for a moment, and a scrape right after a full house was refused)."""
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:
+            self.handle_error(request, client_address)
         finally:
             self._release()
+            self.shutdown_request(request)
 
     def _release(self) -> None:
         with self._count_lock:
