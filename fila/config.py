@@ -149,6 +149,9 @@ class StorageSection:
     data_dir: str = "./data"
     persist_mode: PersistMode = "sync"
     direct_io: bool = True
+    # Nice levels the WAL fsync thread runs above the rest of the broker (nice values
+    # span 40 levels); see fila.storage.thread_priority.
+    fsync_priority_boost: Annotated[int, AtLeast(0), AtMost(39)] = 15
 
 
 @dataclass(frozen=True, slots=True)

@@ -204,7 +204,12 @@ async def serve(config: Config) -> ExitCode:
             failure.append(exc)
         stop.set()
 
-    committer = Committer(storage, config.storage.persist_mode, on_storage_failure)
+    committer = Committer(
+        storage,
+        config.storage.persist_mode,
+        on_storage_failure,
+        fsync_priority_boost=config.storage.fsync_priority_boost,
+    )
     broker = Broker(
         storage,
         committer,

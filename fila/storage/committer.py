@@ -20,6 +20,10 @@ so a killed process loses nothing, only a power loss can.
 
 A failed write or sync is fatal: the broker's memory already reflects the
 change, so it stops rather than serve state the disk does not have.
+
+Every answer waits on the fsync thread, so it runs above the rest of the broker
+(15 nice levels by default, `storage.fsync_priority_boost`) where the system allows
+it: see fila.storage.thread_priority.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ from collections.abc import Callable
 
 from fila.config import PersistMode
 from fila.storage.backend import Batch, Storage, StorageError
+from fila.storage.thread_priority import raise_current_thread
 from fila.telemetry.histogram import FSYNC_BOUNDS_S, FixedHistogram
 
 log = logging.getLogger("fila.storage")
@@ -46,9 +51,11 @@ class Committer:
         storage: Storage,
         mode: PersistMode,
         on_failure: Callable[[StorageError], None],
+        fsync_priority_boost: int = 0,
     ) -> None:
         self._storage = storage
         self._sync = mode == "sync"
+        self._fsync_priority_boost = fsync_priority_boost
         self._on_failure = on_failure
         self._batch = Batch()
         self._ops = 0
@@ -172,6 +179,7 @@ class Committer:
 
     def _sync_loop(self) -> None:
         """The fsync thread: one sync per request, its outcome handed straight to the loop."""
+        self._raise_priority()
         while (request := self._sync_requests.get()) is not None:
             loop, covered = request
             error = self._fsync()
@@ -179,6 +187,22 @@ class Committer:
                 loop.call_soon_threadsafe(self._sync_done, covered, error)
             except RuntimeError:  # the loop is closed: nothing waits on this sync any more
                 return
+
+    def _raise_priority(self) -> None:
+        """Called on the fsync thread itself: Linux gives each thread its own nice value."""
+        if self._fsync_priority_boost <= 0:
+            return
+        outcome = raise_current_thread(self._fsync_priority_boost)
+        if outcome.refused:
+            log.info(
+                "the WAL fsync thread runs at the broker's own priority",
+                extra={
+                    "reason": outcome.refused,
+                    "setting": "storage.fsync_priority_boost (0 asks for nothing)",
+                },
+            )
+        else:
+            log.debug("WAL fsync thread priority raised", extra={"nice": outcome.after})
 
     def _fsync(self) -> StorageError | None:
         started = time.perf_counter()
