@@ -7,9 +7,9 @@ process's own priority, on a core the event loop and gRPC keep busy, the schedul
 let it wait its turn: with 50 one-in-flight producers and the broker on one core, a
 sync timed from Python took 0.80 ms where the kernel's fdatasync took 0.26 ms, and
 every answer of the group waited that much longer. Raised 15 nice levels, the same
-sync took 0.56-0.59 ms, and durable enqueue rose from 0.757-0.778 to 0.794-0.829 of
+sync took 0.55-0.56 ms, and durable enqueue rose from 0.755-0.790 to 0.803-0.832 of
 buffered (`fila-bench system --only durable_over_buffered_50c`, three alternating
-pairs; docs/benchmarks.md). It cannot starve the rest of the broker: between its
+rounds; docs/benchmarks.md). It cannot starve the rest of the broker: between its
 bursts it blocks on its queue or on the disk (about a tenth of a core at 12,500
 durable enqueues/s, most of that the kernel's fdatasync).
 
