@@ -403,6 +403,20 @@ def test_bad_cluster_settings_stop_startup(no_system_config: Path, text: str, ne
 
 
 @pytest.mark.parametrize(
+    ("value", "needle"),
+    [
+        ("-1", "must be >= 0, got -1"),
+        ("40", "must be <= 39, got 40"),
+        ('"high"', "must be an integer"),
+    ],
+)
+def test_fsync_priority_boost_outside_0_to_39_is_a_config_error(value: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=r"storage\.fsync_priority_boost") as raised:
+        parse_config(f"[storage]\nfsync_priority_boost = {value}\n", "x.toml")
+    assert needle in str(raised.value)
+
+
+@pytest.mark.parametrize(
     ("text", "valid"),
     [
         ("1", True),
