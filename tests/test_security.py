@@ -168,6 +168,8 @@ def test_rules_cover_every_rpc_with_the_spec_kind() -> None:
             "Redrive",
             "PeekMessages",
             "PurgeQueue",
+            "GetQueue",
+            "UpdateQueue",
             "SetConfig",
             "GetConfig",
             "ListConfig",

@@ -146,6 +146,8 @@ ROUTES: Final[Mapping[str, Rule]] = {
     _A + "Redrive": Rule(Route.QUEUE, "dlq_queue"),  # a DLQ lives with its queue
     _A + "PeekMessages": Rule(Route.QUEUE, "queue"),
     _A + "PurgeQueue": Rule(Route.QUEUE, "queue"),
+    _A + "GetQueue": Rule(Route.QUEUE, "queue"),
+    _A + "UpdateQueue": Rule(Route.QUEUE, "queue"),
     _A + "SetConfig": Rule(Route.CONFIG_WRITE),
     _A + "GetConfig": Rule(Route.FRESH, reads=Reads.CONFIG_KEY),
     _A + "ListConfig": Rule(Route.FRESH, reads=Reads.CONFIG),
@@ -155,4 +157,5 @@ ROUTES: Final[Mapping[str, Rule]] = {
     _A + "SetAcl": Rule(Route.FRESH, reads=Reads.KEY_ID),
     _A + "GetAcl": Rule(Route.FRESH, reads=Reads.KEY_ID),
     _A + "ClusterStatus": Rule(Route.CLUSTER),
+    _A + "RemoveNode": Rule(Route.LOCAL),
 }

@@ -235,6 +235,8 @@ RULES: Final[Mapping[str, Rule]] = {
     "/fila.v1.FilaAdmin/Redrive": _queue(Kind.ADMIN, "dlq_queue"),
     "/fila.v1.FilaAdmin/PeekMessages": _queue(Kind.ADMIN),
     "/fila.v1.FilaAdmin/PurgeQueue": _queue(Kind.ADMIN),
+    "/fila.v1.FilaAdmin/GetQueue": _queue(Kind.ADMIN),
+    "/fila.v1.FilaAdmin/UpdateQueue": _queue(Kind.ADMIN),
     "/fila.v1.FilaAdmin/ListQueues": _HANDLER,  # filtered by may_see
     # Runtime config is global (throttle keys span queues): admin on "*".
     "/fila.v1.FilaAdmin/SetConfig": Rule(Scope.EVERY_QUEUE, Kind.ADMIN),
@@ -242,6 +244,8 @@ RULES: Final[Mapping[str, Rule]] = {
     "/fila.v1.FilaAdmin/ListConfig": Rule(Scope.EVERY_QUEUE, Kind.ADMIN),
     # The cluster's nodes and how many queues each owns: an operator's view, like config.
     "/fila.v1.FilaAdmin/ClusterStatus": Rule(Scope.EVERY_QUEUE, Kind.ADMIN),
+    # Forgetting a node changes where every queue's replicas live: superadmins only.
+    "/fila.v1.FilaAdmin/RemoveNode": _SUPERADMIN,
     # Key management: the Keyring decides (superadmins; delegation for ACLs).
     "/fila.v1.FilaAdmin/CreateApiKey": _HANDLER,
     "/fila.v1.FilaAdmin/RevokeApiKey": _HANDLER,

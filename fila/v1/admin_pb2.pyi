@@ -7,7 +7,9 @@ from collections import abc as _abc
 from fila.v1 import messages_pb2 as _messages_pb2
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
+from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 import builtins as _builtins
 import sys
 import typing as _typing
@@ -18,6 +20,25 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _MessageState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _MessageStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_MessageState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    MESSAGE_STATE_UNSPECIFIED: _MessageState.ValueType  # 0
+    READY: _MessageState.ValueType  # 1
+    DELAYED: _MessageState.ValueType  # 2
+    LEASED: _MessageState.ValueType  # 3
+
+class MessageState(_MessageState, metaclass=_MessageStateEnumTypeWrapper): ...
+
+MESSAGE_STATE_UNSPECIFIED: MessageState.ValueType  # 0
+READY: MessageState.ValueType  # 1
+DELAYED: MessageState.ValueType  # 2
+LEASED: MessageState.ValueType  # 3
+Global___MessageState: _TypeAlias = MessageState  # noqa: Y015
 
 @_typing.final
 class CreateQueueRequest(_message.Message):
@@ -49,19 +70,31 @@ class QueueConfig(_message.Message):
     ON_ENQUEUE_SCRIPT_FIELD_NUMBER: _builtins.int
     ON_FAILURE_SCRIPT_FIELD_NUMBER: _builtins.int
     VISIBILITY_TIMEOUT_MS_FIELD_NUMBER: _builtins.int
+    MAX_ATTEMPTS_FIELD_NUMBER: _builtins.int
+    RETRY_BACKOFF_FIELD_NUMBER: _builtins.int
     on_enqueue_script: _builtins.str
     on_failure_script: _builtins.str
     visibility_timeout_ms: _builtins.int
+    max_attempts: _builtins.int
+    """0 = the broker default (25 for queues created from now on; a queue created
+    before keeps unlimited attempts).
+    """
+    retry_backoff: _builtins.str
+    """"exponential" (default: about 1s * 2^(attempt-1), +-25% jitter, capped at 1 h),
+    "none" (immediate retry) or "fixed:<duration>" such as "fixed:30s".
+    """
     def __init__(
         self,
         *,
         on_enqueue_script: _builtins.str = ...,
         on_failure_script: _builtins.str = ...,
         visibility_timeout_ms: _builtins.int = ...,
+        max_attempts: _builtins.int = ...,
+        retry_backoff: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["on_enqueue_script", b"on_enqueue_script", "on_failure_script", b"on_failure_script", "visibility_timeout_ms", b"visibility_timeout_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["max_attempts", b"max_attempts", "on_enqueue_script", b"on_enqueue_script", "on_failure_script", b"on_failure_script", "retry_backoff", b"retry_backoff", "visibility_timeout_ms", b"visibility_timeout_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -227,6 +260,10 @@ class GetStatsResponse(_message.Message):
     NACKED_TOTAL_FIELD_NUMBER: _builtins.int
     EXPIRED_TOTAL_FIELD_NUMBER: _builtins.int
     DEAD_LETTERED_TOTAL_FIELD_NUMBER: _builtins.int
+    DELAYED_FIELD_NUMBER: _builtins.int
+    HOOK_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
+    LAST_HOOK_ERROR_FIELD_NUMBER: _builtins.int
+    LAST_HOOK_ERROR_AT_FIELD_NUMBER: _builtins.int
     depth: _builtins.int
     in_flight: _builtins.int
     active_fairness_keys: _builtins.int
@@ -241,10 +278,16 @@ class GetStatsResponse(_message.Message):
     nacked_total: _builtins.int
     expired_total: _builtins.int
     dead_lettered_total: _builtins.int
+    delayed: _builtins.int
+    """Job-queue additions, second round. `depth` = ready + delayed; leased are in_flight."""
+    hook_errors_total: _builtins.int
+    last_hook_error: _builtins.str
     @_builtins.property
     def per_key_stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___PerFairnessKeyStats]: ...
     @_builtins.property
     def per_throttle_stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___PerThrottleKeyStats]: ...
+    @_builtins.property
+    def last_hook_error_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -263,10 +306,14 @@ class GetStatsResponse(_message.Message):
         nacked_total: _builtins.int = ...,
         expired_total: _builtins.int = ...,
         dead_lettered_total: _builtins.int = ...,
+        delayed: _builtins.int = ...,
+        hook_errors_total: _builtins.int = ...,
+        last_hook_error: _builtins.str = ...,
+        last_hook_error_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["last_hook_error_at", b"last_hook_error_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_total", b"acked_total", "active_consumers", b"active_consumers", "active_fairness_keys", b"active_fairness_keys", "dead_lettered_total", b"dead_lettered_total", "delivered_total", b"delivered_total", "depth", b"depth", "enqueued_total", b"enqueued_total", "expired_total", b"expired_total", "in_flight", b"in_flight", "leader_node_id", b"leader_node_id", "nacked_total", b"nacked_total", "per_key_stats", b"per_key_stats", "per_throttle_stats", b"per_throttle_stats", "quantum", b"quantum", "replication_count", b"replication_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_total", b"acked_total", "active_consumers", b"active_consumers", "active_fairness_keys", b"active_fairness_keys", "dead_lettered_total", b"dead_lettered_total", "delayed", b"delayed", "delivered_total", b"delivered_total", "depth", b"depth", "enqueued_total", b"enqueued_total", "expired_total", b"expired_total", "hook_errors_total", b"hook_errors_total", "in_flight", b"in_flight", "last_hook_error", b"last_hook_error", "last_hook_error_at", b"last_hook_error_at", "leader_node_id", b"leader_node_id", "nacked_total", b"nacked_total", "per_key_stats", b"per_key_stats", "per_throttle_stats", b"per_throttle_stats", "quantum", b"quantum", "replication_count", b"replication_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -774,11 +821,14 @@ class PeekMessagesRequest(_message.Message):
     LIMIT_FIELD_NUMBER: _builtins.int
     AFTER_ID_FIELD_NUMBER: _builtins.int
     FAIRNESS_KEY_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
     queue: _builtins.str
     limit: _builtins.int
     """Default 20, at most 1,000."""
     after_id: _builtins.str
     fairness_key: _builtins.str
+    state: Global___MessageState.ValueType
+    """Only messages in this state; unset = all."""
     def __init__(
         self,
         *,
@@ -786,10 +836,11 @@ class PeekMessagesRequest(_message.Message):
         limit: _builtins.int = ...,
         after_id: _builtins.str = ...,
         fairness_key: _builtins.str = ...,
+        state: Global___MessageState.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_id", b"after_id", "fairness_key", b"fairness_key", "limit", b"limit", "queue", b"queue"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["after_id", b"after_id", "fairness_key", b"fairness_key", "limit", b"limit", "queue", b"queue", "state", b"state"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -801,23 +852,60 @@ class PeekMessagesResponse(_message.Message):
 
     MESSAGES_FIELD_NUMBER: _builtins.int
     NEXT_AFTER_ID_FIELD_NUMBER: _builtins.int
+    STATES_FIELD_NUMBER: _builtins.int
     next_after_id: _builtins.str
     """Empty at the end."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[_messages_pb2.Message]: ...
+    @_builtins.property
+    def states(self) -> _containers.RepeatedCompositeFieldContainer[Global___PeekedState]:
+        """One per message, in the same order."""
+
     def __init__(
         self,
         *,
         messages: _abc.Iterable[_messages_pb2.Message] | None = ...,
         next_after_id: _builtins.str = ...,
+        states: _abc.Iterable[Global___PeekedState] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_after_id", b"next_after_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["messages", b"messages", "next_after_id", b"next_after_id", "states", b"states"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___PeekMessagesResponse: _TypeAlias = PeekMessagesResponse  # noqa: Y015
+
+@_typing.final
+class PeekedState(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    STATE_FIELD_NUMBER: _builtins.int
+    READY_AT_FIELD_NUMBER: _builtins.int
+    LEASE_DEADLINE_FIELD_NUMBER: _builtins.int
+    state: Global___MessageState.ValueType
+    @_builtins.property
+    def ready_at(self) -> _timestamp_pb2.Timestamp:
+        """DELAYED: when the message becomes ready."""
+
+    @_builtins.property
+    def lease_deadline(self) -> _timestamp_pb2.Timestamp:
+        """LEASED: when the lease expires unless settled or extended."""
+
+    def __init__(
+        self,
+        *,
+        state: Global___MessageState.ValueType = ...,
+        ready_at: _timestamp_pb2.Timestamp | None = ...,
+        lease_deadline: _timestamp_pb2.Timestamp | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["lease_deadline", b"lease_deadline", "ready_at", b"ready_at"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["lease_deadline", b"lease_deadline", "ready_at", b"ready_at", "state", b"state"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PeekedState: _TypeAlias = PeekedState  # noqa: Y015
 
 @_typing.final
 class PurgeQueueRequest(_message.Message):
@@ -930,3 +1018,136 @@ class ClusterStatusResponse(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ClusterStatusResponse: _TypeAlias = ClusterStatusResponse  # noqa: Y015
+
+@_typing.final
+class GetQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["queue", b"queue"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetQueueRequest: _TypeAlias = GetQueueRequest  # noqa: Y015
+
+@_typing.final
+class GetQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    DLQ_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    dlq: _builtins.str
+    """The queue's dead-letter queue; empty for a dead-letter queue itself."""
+    @_builtins.property
+    def config(self) -> Global___QueueConfig: ...
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        config: Global___QueueConfig | None = ...,
+        dlq: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "dlq", b"dlq", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___GetQueueResponse: _TypeAlias = GetQueueResponse  # noqa: Y015
+
+@_typing.final
+class UpdateQueueRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    QUEUE_FIELD_NUMBER: _builtins.int
+    CONFIG_FIELD_NUMBER: _builtins.int
+    UPDATE_MASK_FIELD_NUMBER: _builtins.int
+    queue: _builtins.str
+    @_builtins.property
+    def config(self) -> Global___QueueConfig: ...
+    @_builtins.property
+    def update_mask(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The QueueConfig field names to change (e.g. "visibility_timeout_ms"); the others
+        keep their values.
+        """
+
+    def __init__(
+        self,
+        *,
+        queue: _builtins.str = ...,
+        config: Global___QueueConfig | None = ...,
+        update_mask: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config", "queue", b"queue", "update_mask", b"update_mask"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateQueueRequest: _TypeAlias = UpdateQueueRequest  # noqa: Y015
+
+@_typing.final
+class UpdateQueueResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    CONFIG_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def config(self) -> Global___QueueConfig:
+        """The configuration in force after the change."""
+
+    def __init__(
+        self,
+        *,
+        config: Global___QueueConfig | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["config", b"config"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UpdateQueueResponse: _TypeAlias = UpdateQueueResponse  # noqa: Y015
+
+@_typing.final
+class RemoveNodeRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NODE_ID_FIELD_NUMBER: _builtins.int
+    node_id: _builtins.int
+    def __init__(
+        self,
+        *,
+        node_id: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveNodeRequest: _TypeAlias = RemoveNodeRequest  # noqa: Y015
+
+@_typing.final
+class RemoveNodeResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RemoveNodeResponse: _TypeAlias = RemoveNodeResponse  # noqa: Y015

@@ -114,6 +114,21 @@ class FilaAdminStub:
                 request_serializer=fila_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
                 response_deserializer=fila_dot_v1_dot_admin__pb2.ClusterStatusResponse.FromString,
                 _registered_method=True)
+        self.GetQueue = channel.unary_unary(
+                '/fila.v1.FilaAdmin/GetQueue',
+                request_serializer=fila_dot_v1_dot_admin__pb2.GetQueueRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_admin__pb2.GetQueueResponse.FromString,
+                _registered_method=True)
+        self.UpdateQueue = channel.unary_unary(
+                '/fila.v1.FilaAdmin/UpdateQueue',
+                request_serializer=fila_dot_v1_dot_admin__pb2.UpdateQueueRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_admin__pb2.UpdateQueueResponse.FromString,
+                _registered_method=True)
+        self.RemoveNode = channel.unary_unary(
+                '/fila.v1.FilaAdmin/RemoveNode',
+                request_serializer=fila_dot_v1_dot_admin__pb2.RemoveNodeRequest.SerializeToString,
+                response_deserializer=fila_dot_v1_dot_admin__pb2.RemoveNodeResponse.FromString,
+                _registered_method=True)
 
 
 class FilaAdminServicer:
@@ -218,6 +233,28 @@ class FilaAdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetQueue(self, request, context):
+        """Job-queue additions, second round: read a queue's configuration back, and change
+        the named fields of it (scripts are checked before anything is stored).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UpdateQueue(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveNode(self, request, context):
+        """Replication (SPEC 9): forget a permanently gone node and re-replicate its queues
+        onto live nodes, restoring each queue's replication factor.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_FilaAdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -300,6 +337,21 @@ def add_FilaAdminServicer_to_server(servicer, server):
                     servicer.ClusterStatus,
                     request_deserializer=fila_dot_v1_dot_admin__pb2.ClusterStatusRequest.FromString,
                     response_serializer=fila_dot_v1_dot_admin__pb2.ClusterStatusResponse.SerializeToString,
+            ),
+            'GetQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetQueue,
+                    request_deserializer=fila_dot_v1_dot_admin__pb2.GetQueueRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_admin__pb2.GetQueueResponse.SerializeToString,
+            ),
+            'UpdateQueue': grpc.unary_unary_rpc_method_handler(
+                    servicer.UpdateQueue,
+                    request_deserializer=fila_dot_v1_dot_admin__pb2.UpdateQueueRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_admin__pb2.UpdateQueueResponse.SerializeToString,
+            ),
+            'RemoveNode': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveNode,
+                    request_deserializer=fila_dot_v1_dot_admin__pb2.RemoveNodeRequest.FromString,
+                    response_serializer=fila_dot_v1_dot_admin__pb2.RemoveNodeResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -734,6 +786,87 @@ class FilaAdmin:
             '/fila.v1.FilaAdmin/ClusterStatus',
             fila_dot_v1_dot_admin__pb2.ClusterStatusRequest.SerializeToString,
             fila_dot_v1_dot_admin__pb2.ClusterStatusResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaAdmin/GetQueue',
+            fila_dot_v1_dot_admin__pb2.GetQueueRequest.SerializeToString,
+            fila_dot_v1_dot_admin__pb2.GetQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UpdateQueue(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaAdmin/UpdateQueue',
+            fila_dot_v1_dot_admin__pb2.UpdateQueueRequest.SerializeToString,
+            fila_dot_v1_dot_admin__pb2.UpdateQueueResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveNode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/fila.v1.FilaAdmin/RemoveNode',
+            fila_dot_v1_dot_admin__pb2.RemoveNodeRequest.SerializeToString,
+            fila_dot_v1_dot_admin__pb2.RemoveNodeResponse.FromString,
             options,
             channel_credentials,
             insecure,

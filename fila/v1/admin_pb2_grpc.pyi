@@ -51,6 +51,15 @@ class FilaAdminStub:
     """Cluster mode (SPEC 9): the nodes this node knows, which are up, and how many
     queues each owns. A single node answers enabled = false and no nodes.
     """
+    GetQueue: _grpc.UnaryUnaryMultiCallable[_admin_pb2.GetQueueRequest, _admin_pb2.GetQueueResponse]
+    """Job-queue additions, second round: read a queue's configuration back, and change
+    the named fields of it (scripts are checked before anything is stored).
+    """
+    UpdateQueue: _grpc.UnaryUnaryMultiCallable[_admin_pb2.UpdateQueueRequest, _admin_pb2.UpdateQueueResponse]
+    RemoveNode: _grpc.UnaryUnaryMultiCallable[_admin_pb2.RemoveNodeRequest, _admin_pb2.RemoveNodeResponse]
+    """Replication (SPEC 9): forget a permanently gone node and re-replicate its queues
+    onto live nodes, restoring each queue's replication factor.
+    """
 
 @_typing.type_check_only
 class FilaAdminAsyncStub(FilaAdminStub):
@@ -74,6 +83,15 @@ class FilaAdminAsyncStub(FilaAdminStub):
     ClusterStatus: _aio.UnaryUnaryMultiCallable[_admin_pb2.ClusterStatusRequest, _admin_pb2.ClusterStatusResponse]  # type: ignore[assignment]
     """Cluster mode (SPEC 9): the nodes this node knows, which are up, and how many
     queues each owns. A single node answers enabled = false and no nodes.
+    """
+    GetQueue: _aio.UnaryUnaryMultiCallable[_admin_pb2.GetQueueRequest, _admin_pb2.GetQueueResponse]  # type: ignore[assignment]
+    """Job-queue additions, second round: read a queue's configuration back, and change
+    the named fields of it (scripts are checked before anything is stored).
+    """
+    UpdateQueue: _aio.UnaryUnaryMultiCallable[_admin_pb2.UpdateQueueRequest, _admin_pb2.UpdateQueueResponse]  # type: ignore[assignment]
+    RemoveNode: _aio.UnaryUnaryMultiCallable[_admin_pb2.RemoveNodeRequest, _admin_pb2.RemoveNodeResponse]  # type: ignore[assignment]
+    """Replication (SPEC 9): forget a permanently gone node and re-replicate its queues
+    onto live nodes, restoring each queue's replication factor.
     """
 
 class FilaAdminServicer(metaclass=_abc_1.ABCMeta):
@@ -191,6 +209,33 @@ class FilaAdminServicer(metaclass=_abc_1.ABCMeta):
     ) -> _typing.Union[_admin_pb2.ClusterStatusResponse, _abc.Awaitable[_admin_pb2.ClusterStatusResponse]]:
         """Cluster mode (SPEC 9): the nodes this node knows, which are up, and how many
         queues each owns. A single node answers enabled = false and no nodes.
+        """
+
+    @_abc_1.abstractmethod
+    def GetQueue(
+        self,
+        request: _admin_pb2.GetQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.GetQueueResponse, _abc.Awaitable[_admin_pb2.GetQueueResponse]]:
+        """Job-queue additions, second round: read a queue's configuration back, and change
+        the named fields of it (scripts are checked before anything is stored).
+        """
+
+    @_abc_1.abstractmethod
+    def UpdateQueue(
+        self,
+        request: _admin_pb2.UpdateQueueRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.UpdateQueueResponse, _abc.Awaitable[_admin_pb2.UpdateQueueResponse]]: ...
+
+    @_abc_1.abstractmethod
+    def RemoveNode(
+        self,
+        request: _admin_pb2.RemoveNodeRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_admin_pb2.RemoveNodeResponse, _abc.Awaitable[_admin_pb2.RemoveNodeResponse]]:
+        """Replication (SPEC 9): forget a permanently gone node and re-replicate its queues
+        onto live nodes, restoring each queue's replication factor.
         """
 
 def add_FilaAdminServicer_to_server(servicer: FilaAdminServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

@@ -86,12 +86,24 @@ class MessageMetadata(_message.Message):
     THROTTLE_KEYS_FIELD_NUMBER: _builtins.int
     ATTEMPT_COUNT_FIELD_NUMBER: _builtins.int
     QUEUE_ID_FIELD_NUMBER: _builtins.int
+    LAST_ERROR_FIELD_NUMBER: _builtins.int
+    LAST_FAILED_AT_FIELD_NUMBER: _builtins.int
+    DEAD_LETTERED_AT_FIELD_NUMBER: _builtins.int
     fairness_key: _builtins.str
     weight: _builtins.int
     attempt_count: _builtins.int
     queue_id: _builtins.str
+    last_error: _builtins.str
+    """Job-queue additions, second round: why the message last failed (the last nack's
+    error or the expiry reason, clipped to 4 KiB), when, and when it was dead-lettered.
+    Kept across dead-letter moves and redrive.
+    """
     @_builtins.property
     def throttle_keys(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def last_failed_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def dead_lettered_at(self) -> _timestamp_pb2.Timestamp: ...
     def __init__(
         self,
         *,
@@ -100,10 +112,13 @@ class MessageMetadata(_message.Message):
         throttle_keys: _abc.Iterable[_builtins.str] | None = ...,
         attempt_count: _builtins.int = ...,
         queue_id: _builtins.str = ...,
+        last_error: _builtins.str = ...,
+        last_failed_at: _timestamp_pb2.Timestamp | None = ...,
+        dead_lettered_at: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["dead_lettered_at", b"dead_lettered_at", "last_failed_at", b"last_failed_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_count", b"attempt_count", "fairness_key", b"fairness_key", "queue_id", b"queue_id", "throttle_keys", b"throttle_keys", "weight", b"weight"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["attempt_count", b"attempt_count", "dead_lettered_at", b"dead_lettered_at", "fairness_key", b"fairness_key", "last_error", b"last_error", "last_failed_at", b"last_failed_at", "queue_id", b"queue_id", "throttle_keys", b"throttle_keys", "weight", b"weight"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
