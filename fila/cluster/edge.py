@@ -244,7 +244,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
             remotes = [remote(t, ix) for t, ix in groups.items() if t is not LOCAL]
             await _together(local(groups[LOCAL]) if LOCAL in groups else None, remotes)
-            return response_type(results=results)
+            return response_type(results=results)  # type: ignore[call-arg]
 
         return call
 
