@@ -7,31 +7,40 @@ descriptors, which the gRPC connection cap budgets for; when 2,000 half-sent req
 were dropped by their client, each thread read end-of-file as the end of the headers
 and ran a collection for nobody, and SIGTERM took 15 to 40 s behind them. Eight
 concurrent scrapes of 5,000 queues ran eight collections side by side (RSS 536 MB).
+Later, sixteen connections that sent nothing, reopened as they were dropped, held
+every slot while their heads were awaited, and every scrape was answered 503.
 
-Here, on the standard library's `socketserver`/`http.server`:
+Here, with the standard library's `http.server` parsing and answering:
 
-- at most `MAX_CONNECTIONS` connections are served at once; the accepting thread
-  answers any beyond that with a 503 and closes it, without a thread;
+- one thread (`_Acceptor`) accepts connections and reads their request heads without
+  blocking, for all of them at once: a connection whose head is still arriving costs
+  a descriptor and no thread, and holds no slot. At most `MAX_WAITING` wait so; a new
+  connection beyond that drops the oldest waiting one, which has had the longest to
+  send its request (a scraper sends its request as soon as it connects);
 - a request's head must arrive complete, ending in its blank line, within
   `REQUEST_TIMEOUT_S` of the connection, and stay under `MAX_HEAD_BYTES`; a
   connection that is slow, too large, or closed before the blank line is dropped
   without a collection, as is a complete request whose client has already left;
+- only a complete request takes one of `MAX_CONNECTIONS` slots and a thread to be
+  answered; one that finds every slot taken is answered 503 by the accepting thread;
 - a response must be written within `RESPONSE_TIMEOUT_S`; every connection is closed
   after one response (HTTP/1.0, as prometheus_client's server did);
 - collections run one at a time (`SharedRenders`): requests that arrive while one is
   running for their format wait for it and are sent its result, so N scrapers cost
   one collection, not N;
-- stopping closes the listening socket and waits for the accept loop only; handler
-  threads are daemons with their own deadlines, so shutdown does not wait for clients.
+- stopping closes the listening socket and the waiting connections, and waits for the
+  accepting thread only; answering threads are daemons with their own deadlines, so
+  shutdown does not wait for clients.
 """
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import io
 import logging
+import selectors
 import socket
-import socketserver
 import threading
 import time
 import zlib
@@ -47,7 +56,10 @@ log = logging.getLogger("fila.telemetry")
 
 # Scrapers are few (a Prometheus pair, an agent, a person with curl) and each
 # connection carries one request, so a slot is free again within a scrape's time.
-MAX_CONNECTIONS = 16
+MAX_CONNECTIONS = 16  # requests being answered at once, each on a thread
+# Connections whose request head is still arriving (a descriptor each, no thread).
+# With the answered ones and the listener, the endpoint holds at most 81 descriptors.
+MAX_WAITING = 64
 # The whole request head (request line and headers), from the connection's accept.
 REQUEST_TIMEOUT_S = 5.0
 MAX_HEAD_BYTES = 16 * 1024
@@ -58,7 +70,11 @@ COLLECTION_WAIT_S = 60.0
 # zlib's default: as small as level 9 on this text, eight times faster (0.1 s vs 0.8 s
 # for 17 MB; prometheus_client used 9).
 GZIP_LEVEL = 6
-_POLL_S = 0.2  # how often the accept loop looks for `stop`
+_POLL_S = 0.2  # how often the accepting thread looks for `stop`
+# Connections accepted per turn of the accepting thread, between reads of the waiting
+# heads: a flood of new connections cannot push out a request that has arrived.
+_ACCEPTS_PER_TURN = 16
+_BACKLOG = 64
 
 _REFUSED = (
     b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: text/plain\r\n"
@@ -147,36 +163,43 @@ def _head_end(head: bytearray) -> int:
     return 0
 
 
-class _Handler(http.server.BaseHTTPRequestHandler):
-    """One request per connection, read whole and under a deadline before parsing."""
+class _Waiting:
+    """A connection whose request head is still arriving."""
 
-    server: _Server
+    __slots__ = ("address", "deadline", "head", "sock")
+
+    def __init__(self, sock: socket.socket, address: Any, deadline: float) -> None:
+        self.sock = sock
+        self.address = address
+        self.head = bytearray()
+        self.deadline = deadline
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    """Answers one request whose head has arrived whole (read by `_Acceptor`)."""
+
     protocol_version = "HTTP/1.0"
 
-    def handle(self) -> None:
-        head = self._read_head()
-        if head is None:
-            return
-        self.rfile.close()  # the socket's reader: unused, and it keeps the socket open
-        self.rfile = io.BytesIO(head)  # the standard parser reads the complete head
-        self.handle_one_request()
+    def __init__(
+        self, sock: socket.socket, address: Any, head: bytes, renders: SharedRenders
+    ) -> None:
+        # `BaseRequestHandler.__init__` less its server, which nothing here uses.
+        self.request, self.client_address = sock, address
+        self._head, self.renders = head, renders
+        self.setup()
+        try:
+            self.handle()
+        finally:
+            self.finish()
 
-    def _read_head(self) -> bytes | None:
-        deadline = time.monotonic() + REQUEST_TIMEOUT_S
-        head = bytearray()
-        while not (end := _head_end(head)):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or len(head) > MAX_HEAD_BYTES:
-                return None
-            self.connection.settimeout(remaining)
-            try:
-                chunk = self.connection.recv(4096)
-            except OSError:  # the deadline passed, or the connection was reset
-                return None
-            if not chunk:  # closed before the blank line: a request that never completed
-                return None
-            head += chunk
-        return bytes(head[:end])
+    def setup(self) -> None:
+        self.request.settimeout(RESPONSE_TIMEOUT_S)
+        super().setup()
+
+    def handle(self) -> None:
+        self.rfile.close()  # the socket's reader: unused, and it keeps the socket open
+        self.rfile = io.BytesIO(self._head)  # the standard parser reads the complete head
+        self.handle_one_request()
 
     def _client_left(self) -> bool:
         """True if the client closed its side after sending the request: nobody would
@@ -207,7 +230,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
             return
         try:
-            rendered = self.server.renders.get(fmt)
+            rendered = self.renders.get(fmt)
         except TimeoutError:
             self._reply(503, "text/plain", [b"metrics collection timed out\r\n"], send_body)
             return
@@ -230,7 +253,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         gzip: bool = False,
     ) -> None:
         """Sends the response, all of it within `RESPONSE_TIMEOUT_S` (a client that
-        stops reading is dropped; the stdlib's handler catches the `TimeoutError`)."""
+        stops reading is dropped: `_Acceptor._answer` logs the `TimeoutError`)."""
         deadline = time.monotonic() + RESPONSE_TIMEOUT_S
         self.send_response(status)
         self.send_header("Content-Type", content_type)
@@ -250,61 +273,153 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         """Requests are not logged (prometheus_client's server did not log them either)."""
 
 
-class _Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
-    """HTTPServer with a thread per connection, up to `MAX_CONNECTIONS` of them."""
+class _Acceptor:
+    """The listening socket, the connections whose heads are arriving, and the slots
+    of the requests being answered.
 
-    daemon_threads = True  # a handler never holds the process up
-    block_on_close = False  # nor does `server_close` wait for handlers
-    request_queue_size = 64
+    Its `serve` loop, on one thread, reads every waiting connection's head without
+    blocking and accepts new connections; a complete head is handed to a thread of
+    its own (`_answer`) if a slot is free, and answered 503 otherwise. Only `serve`
+    touches `_waiting`; `_slots` and the counts are shared with the answering threads.
+    """
 
-    def __init__(self, address: tuple[str, int], family: socket.AddressFamily) -> None:
-        self.address_family = family
-        self.renders: SharedRenders  # set by `MetricsEndpoint`
+    def __init__(self, listener: socket.socket, renders: SharedRenders) -> None:
+        self._listener = listener
+        self._renders = renders
+        self._selector = selectors.DefaultSelector()
+        self._waiting: dict[socket.socket, _Waiting] = {}  # oldest first
         self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
         self._count_lock = threading.Lock()
-        self.connections = 0
-        super().__init__(address, _Handler)
+        self.answering = 0  # requests holding a slot
+        self.finished = 0  # connections closed, however they ended
+        self.stopping = threading.Event()
 
-    def server_bind(self) -> None:
-        """Binds without `HTTPServer`'s reverse DNS lookup of the address (`getfqdn`),
-        which can stall startup for seconds and names nothing this server uses."""
-        socketserver.TCPServer.server_bind(self)
-        self.server_name, self.server_port = str(self.server_address[0]), self.server_address[1]
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
 
-    def process_request(self, request: Any, client_address: Any) -> None:
+    def serve(self) -> None:
+        """Runs until `stopping` is set, then closes the listener and every waiting
+        connection."""
+        self._listener.setblocking(False)
+        self._selector.register(self._listener, selectors.EVENT_READ, None)
+        try:
+            while not self.stopping.is_set():
+                now = time.monotonic()
+                wait = _POLL_S
+                if self._waiting:
+                    oldest = next(iter(self._waiting.values()))
+                    wait = min(wait, max(0.0, oldest.deadline - now))
+                ready: list[_Waiting | None] = [k.data for k, _ in self._selector.select(wait)]
+                for waiting in ready:  # heads first: see `_ACCEPTS_PER_TURN`
+                    if waiting is not None:
+                        self._read(waiting)
+                if None in ready:  # the listener
+                    self._accept()
+                self._expire(time.monotonic())
+        finally:
+            for sock in list(self._waiting):
+                self._drop(sock)
+            self._selector.close()
+            self._listener.close()
+
+    def _accept(self) -> None:
+        for _ in range(_ACCEPTS_PER_TURN):
+            try:
+                sock, address = self._listener.accept()
+            except BlockingIOError:
+                return
+            except OSError:  # e.g. out of descriptors: serve those it has, then retry
+                log.debug("metrics accept failed", exc_info=True)
+                self.stopping.wait(_POLL_S)  # rather than spin on a listener still ready
+                return
+            if len(self._waiting) >= MAX_WAITING:
+                self._drop(next(iter(self._waiting)))
+            sock.setblocking(False)
+            waiting = _Waiting(sock, address, time.monotonic() + REQUEST_TIMEOUT_S)
+            self._waiting[sock] = waiting
+            self._selector.register(sock, selectors.EVENT_READ, waiting)
+
+    def _read(self, waiting: _Waiting) -> None:
+        try:
+            chunk = waiting.sock.recv(4096)
+        except BlockingIOError:
+            return
+        except OSError:  # reset
+            chunk = b""
+        if not chunk:  # closed before the blank line: a request that never completed
+            self._drop(waiting.sock)
+            return
+        waiting.head += chunk
+        end = _head_end(waiting.head)
+        if end:
+            self._dispatch(waiting, bytes(waiting.head[:end]))
+        elif len(waiting.head) > MAX_HEAD_BYTES:
+            self._drop(waiting.sock)
+
+    def _expire(self, now: float) -> None:
+        """Drops the connections whose head did not arrive in time (oldest first: they
+        were accepted in deadline order)."""
+        while self._waiting:
+            sock, oldest = next(iter(self._waiting.items()))
+            if oldest.deadline > now:
+                return
+            self._drop(sock)
+
+    def _forget(self, sock: socket.socket) -> None:
+        del self._waiting[sock]
+        self._selector.unregister(sock)
+
+    def _drop(self, sock: socket.socket) -> None:
+        self._forget(sock)
+        self._close(sock, answered=False)
+
+    def _dispatch(self, waiting: _Waiting, head: bytes) -> None:
+        self._forget(waiting.sock)
         if not self._slots.acquire(blocking=False):
-            _refuse(request)
-            self.shutdown_request(request)
+            _refuse(waiting.sock)
+            self._close(waiting.sock, answered=True)
             return
         with self._count_lock:
-            self.connections += 1
+            self.answering += 1
         try:
-            super().process_request(request, client_address)
+            threading.Thread(
+                target=self._answer,
+                args=(waiting.sock, waiting.address, head),
+                name="fila-prometheus-request",
+                daemon=True,  # a request never holds the process up
+            ).start()
         except BaseException:  # no thread started: it cannot give the slot back
             self._release()
+            self._close(waiting.sock, answered=False)
             raise
 
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        """`ThreadingMixIn`'s, with the slot given back before the socket is closed: a
-        client that sees its connection end can count on the slot being free (it
-        was not, for a moment, and a scrape right after a full house was refused)."""
+    def _answer(self, sock: socket.socket, address: Any, head: bytes) -> None:
+        """On the request's own thread. The slot is given back before the socket is
+        closed: a client that sees its connection end can count on the slot being
+        free."""
         try:
-            self.finish_request(request, client_address)
-        except Exception:
-            self.handle_error(request, client_address)
+            _Handler(sock, address, head, self._renders)
+        except Exception:  # a client that resets or stops reading mid-response
+            log.debug("metrics connection ended with an error", exc_info=True)
         finally:
             self._release()
-            self.shutdown_request(request)
+            self._close(sock, answered=True)
 
     def _release(self) -> None:
         with self._count_lock:
-            self.connections -= 1
+            self.answering -= 1
         self._slots.release()
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        """A client that resets or stops reading mid-response is routine: one debug line,
-        not the standard library's traceback on stderr."""
-        log.debug("metrics connection ended with an error", exc_info=True)
+    def _close(self, sock: socket.socket, *, answered: bool) -> None:
+        """Closes a connection, after an answer with end-of-file after what was sent
+        (as `socketserver` did), and counts it in `finished`."""
+        if answered:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_WR)
+        sock.close()
+        with self._count_lock:
+            self.finished += 1
 
 
 def _refuse(request: socket.socket) -> None:
@@ -317,44 +432,53 @@ def _refuse(request: socket.socket) -> None:
 
 
 class MetricsEndpoint:
-    """The listening endpoint and its accept loop's thread."""
+    """The listening endpoint and its accepting thread."""
 
     def __init__(self, host: str, port: int, render: Callable[[Format], list[bytes]]) -> None:
         """Binds and starts serving; raises `OSError` if the address cannot be used."""
         family, _, _, _, sockaddr = socket.getaddrinfo(
             host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
         )[0]
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        try:  # as `http.server.HTTPServer` bound (dual-stack as the system sets it)
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind((str(sockaddr[0]), int(sockaddr[1])))
+            listener.listen(_BACKLOG)
+        except OSError:
+            listener.close()
+            raise
         self.renders = SharedRenders(render)
-        self._server = _Server((str(sockaddr[0]), int(sockaddr[1])), family)
-        self._server.renders = self.renders
+        self._port = int(listener.getsockname()[1])
+        self._acceptor = _Acceptor(listener, self.renders)
         self._thread = threading.Thread(
-            target=self._server.serve_forever,
-            kwargs={"poll_interval": _POLL_S},
-            name="fila-prometheus",
-            daemon=True,
+            target=self._acceptor.serve, name="fila-prometheus", daemon=True
         )
         self._thread.start()
 
     @property
     def port(self) -> int:
-        return int(self._server.server_address[1])
+        return self._port
 
     @property
     def connections(self) -> int:
-        """Connections being served now (each holds one of `MAX_CONNECTIONS` slots)."""
-        return self._server.connections
+        """Requests being answered now (each holds one of `MAX_CONNECTIONS` slots)."""
+        return self._acceptor.answering
+
+    @property
+    def waiting(self) -> int:
+        """Connections whose request head is still arriving (at most `MAX_WAITING`)."""
+        return self._acceptor.waiting
+
+    @property
+    def finished(self) -> int:
+        """Connections closed so far: answered, refused or dropped."""
+        return self._acceptor.finished
 
     def stop(self, timeout: float) -> None:
-        """Stops accepting and closes the listening socket within `timeout` seconds.
+        """Stops accepting and closes the listening socket within `timeout` seconds
+        (the accepting thread notices within `_POLL_S`).
 
         In-flight requests finish (or fail) on their own daemon threads, within their
-        own deadlines: shutdown does not wait for clients. `shutdown()` itself waits,
-        without a limit, for the accept loop to notice; it is waited for here with one."""
-        deadline = time.monotonic() + timeout
-        stopper = threading.Thread(
-            target=self._server.shutdown, name="fila-prometheus-stop", daemon=True
-        )
-        stopper.start()
-        stopper.join(timeout)
-        self._server.server_close()
-        self._thread.join(max(0.0, deadline - time.monotonic()))
+        own deadlines: shutdown does not wait for clients."""
+        self._acceptor.stopping.set()
+        self._thread.join(timeout)
