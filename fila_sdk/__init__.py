@@ -9,6 +9,7 @@ from .aio import AsyncClient
 from .client import Client
 from .errors import (
     ApiKeyNotFoundError,
+    ArgumentError,
     BrokerUnreachableError,
     ClientClosedError,
     ConfigKeyNotFoundError,
@@ -46,6 +47,7 @@ __all__ = [
     "AclPermission",
     "ApiKeyInfo",
     "ApiKeyNotFoundError",
+    "ArgumentError",
     "AsyncClient",
     "AsyncWorker",
     "BrokerUnreachableError",

@@ -24,7 +24,7 @@ from collections.abc import (
 )
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import Self, TypeVar
+from typing import Any, Self, TypeVar, overload
 
 import grpc
 import grpc.aio
@@ -43,6 +43,7 @@ from ._channel import (
     queue_config,
     set_acl_request,
 )
+from .arguments import UNSET, Payload, enqueue_arguments, json_arguments
 from .batching import (
     PIPELINE_DEPTH,
     Coalescer,
@@ -241,20 +242,78 @@ class AsyncClient:
 
     # Hot path.
 
+    @overload
+    async def enqueue(
+        self,
+        queue: str,
+        payload: Payload,
+        /,
+        *,
+        headers: Mapping[str, str] | None = None,
+        delay: timedelta | float | None = None,
+    ) -> str: ...
+
+    @overload
     async def enqueue(
         self,
         queue: str,
         headers: Mapping[str, str] | None,
-        payload: bytes,
+        payload: Payload,
+        /,
         *,
+        delay: timedelta | float | None = None,
+    ) -> str: ...
+
+    @overload
+    async def enqueue(
+        self,
+        queue: str,
+        *,
+        payload: Payload,
+        headers: Mapping[str, str] | None = None,
+        delay: timedelta | float | None = None,
+    ) -> str: ...
+
+    async def enqueue(
+        self,
+        queue: str,
+        *args: Any,
+        headers: Any = UNSET,
+        payload: Any = UNSET,
         delay: timedelta | float | None = None,
     ) -> str:
         """Store one message and return its id once it is durable.
 
-        Concurrent calls (from many tasks) travel together in one request on an open
-        `StreamEnqueue` stream; each still gets its own id or exception. `delay`
-        (a `timedelta` or seconds) makes the message ready only that long after.
+        `enqueue(queue, payload, headers=...)`, or the published order
+        `enqueue(queue, headers, payload)`; a `str` payload is sent as UTF-8 (see
+        `fila_sdk.arguments`). Concurrent calls (from many tasks) travel together in
+        one request on an open `StreamEnqueue` stream; each still gets its own id or
+        exception. `delay` (a `timedelta` or seconds) makes the message ready only
+        that long after.
         """
+        checked, body = enqueue_arguments(args, headers, payload)
+        return await self._enqueue(queue, checked, body, delay)
+
+    async def enqueue_json(
+        self,
+        queue: str,
+        value: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        delay: timedelta | float | None = None,
+    ) -> str:
+        """`enqueue` of `value` as JSON, with `content-type: application/json` (unless
+        `headers` name a content type); read it back with `Message.json()`."""
+        checked, body = json_arguments(value, headers)
+        return await self._enqueue(queue, checked, body, delay)
+
+    async def _enqueue(
+        self,
+        queue: str,
+        headers: Mapping[str, str] | None,
+        payload: bytes,
+        delay: timedelta | float | None,
+    ) -> str:
         producer = self._producer
         if producer is None:
             self._check_open()

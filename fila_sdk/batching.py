@@ -29,7 +29,8 @@ from typing import Final, Generic, TypeVar
 from fila.v1 import service_pb2
 
 from ._channel import map_batch_error, milliseconds
-from .errors import ClientClosedError, FilaError
+from .arguments import checked_headers, payload_bytes
+from .errors import ArgumentError, ClientClosedError, FilaError
 from .types import EnqueueItem
 
 Item = TypeVar("Item")
@@ -57,8 +58,9 @@ Entry = tuple[Mapping[str, str] | None, bytes, int]
 EnqueueLike = (
     EnqueueItem
     | bytes
-    | tuple[Mapping[str, str] | None, bytes]
-    | tuple[Mapping[str, str] | None, bytes, timedelta | float | None]
+    | str
+    | tuple[Mapping[str, str] | None, bytes | str]
+    | tuple[Mapping[str, str] | None, bytes | str, timedelta | float | None]
 )
 # One item of `nack_many`: a message id, or (message id, error text).
 NackItem = str | tuple[str, str]
@@ -78,32 +80,26 @@ def entries(items: Iterable[EnqueueLike]) -> list[Entry]:
         if isinstance(item, bytes):
             append((None, item, 0))
             continue
+        if isinstance(item, str):
+            append((None, payload_bytes(item), 0))
+            continue
         if isinstance(item, EnqueueItem):
             headers, payload, delay = item.headers, item.payload, item.delay
         elif isinstance(item, tuple) and len(item) in (2, 3):
             headers, payload = item[0], item[1]
             delay = item[2] if len(item) == 3 else None
         else:
-            raise TypeError(
-                "enqueue_many takes EnqueueItem, bytes or (headers, payload[, delay]) items, "
+            raise ArgumentError(
+                "enqueue_many takes EnqueueItem, bytes, str or (headers, payload[, delay]) items, "
                 f"not {type(item).__name__} (item {index})"
             )
-        if not isinstance(payload, bytes):
-            raise TypeError(
-                f"enqueue_many: the payload of item {index} is {type(payload).__name__}, not bytes"
-            )
-        if headers is not None and not _str_mapping(headers):
-            raise TypeError(
-                f"enqueue_many: the headers of item {index} are not a str -> str mapping"
-            )
+        try:
+            payload = payload_bytes(payload, f" of item {index}")
+            headers = checked_headers(headers, f" of item {index}")
+        except ArgumentError as err:
+            raise ArgumentError(f"enqueue_many: {err}") from None
         append((headers, payload, 0 if delay is None else milliseconds(delay, "delay")))
     return out
-
-
-def _str_mapping(headers: object) -> bool:
-    return isinstance(headers, Mapping) and all(
-        isinstance(key, str) and isinstance(value, str) for key, value in headers.items()
-    )
 
 
 def bounded_error(text: str) -> str:

@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
 from datetime import UTC, datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Self, TypeVar
+from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
@@ -40,6 +40,7 @@ from ._channel import (
 )
 from ._loop import LoopThread
 from .aio import AsyncClient
+from .arguments import UNSET, Payload, enqueue_arguments, json_arguments
 from .batching import (
     PIPELINE_DEPTH,
     EnqueueLike,
@@ -213,16 +214,71 @@ class Client:
 
     # Hot path.
 
+    @overload
+    def enqueue(
+        self,
+        queue: str,
+        payload: Payload,
+        /,
+        *,
+        headers: Mapping[str, str] | None = None,
+        delay: timedelta | float | None = None,
+    ) -> str: ...
+
+    @overload
     def enqueue(
         self,
         queue: str,
         headers: Mapping[str, str] | None,
-        payload: bytes,
+        payload: Payload,
+        /,
         *,
         delay: timedelta | float | None = None,
+    ) -> str: ...
+
+    @overload
+    def enqueue(
+        self,
+        queue: str,
+        *,
+        payload: Payload,
+        headers: Mapping[str, str] | None = None,
+        delay: timedelta | float | None = None,
+    ) -> str: ...
+
+    def enqueue(
+        self,
+        queue: str,
+        *args: Any,
+        headers: Any = UNSET,
+        payload: Any = UNSET,
+        delay: timedelta | float | None = None,
     ) -> str:
-        """Store one message and return its id once it is durable (see
-        `AsyncClient.enqueue`; calls from many threads share requests)."""
+        """Store one message and return its id once it is durable: `enqueue(queue,
+        payload, headers=...)` or the published `enqueue(queue, headers, payload)`
+        (see `AsyncClient.enqueue`; calls from many threads share requests)."""
+        checked, body = enqueue_arguments(args, headers, payload)
+        return self._enqueue(queue, checked, body, delay)
+
+    def enqueue_json(
+        self,
+        queue: str,
+        value: object,
+        *,
+        headers: Mapping[str, str] | None = None,
+        delay: timedelta | float | None = None,
+    ) -> str:
+        """`enqueue` of `value` as JSON (see `AsyncClient.enqueue_json`)."""
+        checked, body = json_arguments(value, headers)
+        return self._enqueue(queue, checked, body, delay)
+
+    def _enqueue(
+        self,
+        queue: str,
+        headers: Mapping[str, str] | None,
+        payload: bytes,
+        delay: timedelta | float | None,
+    ) -> str:
         loop, twin = self.streams()
         if loop.in_loop_thread:  # waiting here would block the loop that must answer
             raise RuntimeError("Client.enqueue cannot be called from the client's own loop")

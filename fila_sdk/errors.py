@@ -10,6 +10,7 @@ import grpc
 
 __all__ = [
     "ApiKeyNotFoundError",
+    "ArgumentError",
     "BrokerUnreachableError",
     "ClientClosedError",
     "ConfigKeyNotFoundError",
@@ -58,6 +59,15 @@ class ApiKeyNotFoundError(FilaError):
 
 class InvalidArgumentError(FilaError):
     pass
+
+
+class ArgumentError(InvalidArgumentError, TypeError):
+    """A call's arguments are of the wrong kind (a payload that is neither bytes nor
+    str, headers that are not str -> str); refused by the client before anything is
+    sent. Both an `InvalidArgumentError` and a `TypeError`."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class UnauthenticatedError(FilaError):

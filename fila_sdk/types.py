@@ -7,9 +7,11 @@ application code.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
@@ -76,6 +78,11 @@ class Message:
             _time(times.leased_at, times.HasField("leased_at")),
         )
 
+    def json(self) -> Any:
+        """The payload parsed as JSON (as `enqueue_json` stores it); ValueError if it
+        is not JSON."""
+        return json.loads(self.payload)
+
 
 @dataclass(frozen=True, slots=True)
 class PeekPage:
@@ -101,7 +108,7 @@ class EnqueueItem:
     it is stored, as a scheduled job."""
 
     headers: Mapping[str, str] | None
-    payload: bytes
+    payload: bytes | str
     delay: timedelta | float | None = None
 
 

@@ -14,8 +14,9 @@ private loop thread for a `ThreadWorker`, whose handlers run in a thread pool).
 How it works, and why:
 - One `StreamConsume` stream carries deliveries in and settlements out. A handler
   that returns acks its message, one that raises nacks it with the exception's
-  text; settlements made in one turn of the loop travel in one request with no
-  reply (the broker makes them durable with its next group commit). A handler's
+  text and logs a WARNING (rate limited, `fila_sdk.failure_log`); settlements made
+  in one turn of the loop travel in one request with no reply (the broker makes them
+  durable with its next group commit). A handler's
   own CancelledError is a failure too; the nack's text is cut to a bounded size.
 - What is not one message's failure ends the worker (after a graceful stop) with
   an exception for its caller, leaving the message to the broker: a handler that
@@ -83,6 +84,7 @@ from .errors import (
     RPCError,
     UnavailableError,
 )
+from .failure_log import FailureLog
 from .leader import Follower
 from .retry import AsyncProbe, Reconnector, async_probe, retryable
 from .streams import CALL_ENDED, method_missing
@@ -225,6 +227,7 @@ class _Engine:
         self._options = options
         self._handle = handle
         self.stats = stats
+        self._failures = FailureLog(log, options.queue)
         self._loop = asyncio.get_running_loop()
         self._stopping = asyncio.Event()
         self._ready: deque[Message] = deque()
@@ -339,9 +342,10 @@ class _Engine:
                     raise  # this worker is being stopped or cancelled
                 # The handler's own (it awaited something cancelled): a failure.
                 self._settle(message.id, _error_text(exc))
+                self._failures.failed(message.id, message.attempt_count + 1, exc)
             except Exception as exc:  # the handler failed: that is what a nack reports
                 self._settle(message.id, _error_text(exc))
-                log.debug("handler raised for message %s", message.id, exc_info=True)
+                self._failures.failed(message.id, message.attempt_count + 1, exc)
             except BaseException as exc:  # SystemExit, KeyboardInterrupt: the program's end
                 # Caught here, for a ThreadWorker's handlers too (their exceptions come
                 # back through the executor's future): raised from a task, they would

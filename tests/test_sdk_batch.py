@@ -141,8 +141,8 @@ def test_enqueue_many_checks_every_item_before_sending_any(client: Client) -> No
     before it were sent: the call raised, yet those messages were stored (with their
     ids lost, and stored again by a retry)."""
     malformed: list[object] = [
-        (None, "a str payload"),
-        EnqueueItem(None, "a str payload"),  # type: ignore[arg-type]
+        (None, 12.5),  # a payload is bytes or str (sent as UTF-8)
+        EnqueueItem(None, 12.5),  # type: ignore[arg-type]
         ({"k": 1}, b"a header value that is no str"),
         ([("k", "v")], b"headers that are no mapping"),
     ]
@@ -152,7 +152,7 @@ def test_enqueue_many_checks_every_item_before_sending_any(client: Client) -> No
 
     name = unique("checked")
     client.create_queue(name)
-    not_bytes: Any = (None, "not bytes")
+    not_bytes: Any = (None, ["not bytes"])
     items: list[EnqueueLike] = [b"ok"] * 10_000 + [not_bytes]
     with pytest.raises(TypeError, match="item 10000"):
         client.enqueue_many(name, items)
