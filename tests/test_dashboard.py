@@ -70,6 +70,8 @@ CHROMIUM_ARGS = [
 # Page conditions get this long: the machine is shared, and a sample is 0.5 s apart.
 WAIT_MS = 30_000
 REPO = Path(__file__).resolve().parent.parent
+# What a dashboard needs to change anything without `--auth-token` (read-only otherwise).
+WRITES_ON_LOOPBACK = ["--allow-writes-on-loopback"]
 
 TENANT_HOOK = """
 function on_enqueue(msg)
@@ -447,7 +449,7 @@ def test_dlq_redrive_and_purge_change_the_broker(
         fila.create_queue("jobs", on_failure=DLQ_HOOK)
         dead_letter(fila, "jobs", 6)
         assert stats(fila, "jobs.dlq").depth == 6
-        dash = dashboard_factory(server.addr)
+        dash = dashboard_factory(server.addr, extra_args=WRITES_ON_LOOPBACK)
 
         page.goto(dash.url + "/")
         page.locator('tr[data-queue="jobs"] td.dlq-depth a').click()
@@ -521,7 +523,7 @@ def test_dlq_redrive_and_purge_change_the_broker(
 def test_config_change_shows_up_in_the_cli(
     server: ServerProcess, dashboard_factory: DashboardFactory, page: Page
 ) -> None:
-    dash = dashboard_factory(server.addr)
+    dash = dashboard_factory(server.addr, extra_args=WRITES_ON_LOOPBACK)
     page.goto(dash.url + "/config")
     page.locator("#config-key").fill("throttle.acme")
     page.locator("#config-value").fill("20,5")
@@ -642,7 +644,7 @@ def test_token_is_required_and_enforced_off_loopback(
 def test_posts_need_the_csrf_token(
     server: ServerProcess, dashboard_factory: DashboardFactory, page: Page, browser: Browser
 ) -> None:
-    dash = dashboard_factory(server.addr)
+    dash = dashboard_factory(server.addr, extra_args=WRITES_ON_LOOPBACK)
     page.goto(dash.url + "/config")
     token = page.locator('#config-form input[name="csrf_token"]').input_value()
     url = dash.url + "/config/set"
@@ -694,7 +696,7 @@ def test_message_content_renders_as_text(
             admin_pb2.SetConfigRequest(key="html.value", value="<img src=x onerror=alert(4)>"),
             timeout=10,
         )
-    dash = dashboard_factory(server.addr)
+    dash = dashboard_factory(server.addr, extra_args=WRITES_ON_LOOPBACK)
 
     page.goto(dash.url + "/queues/xss")
     expect(page.locator("#messages pre.payload")).to_have_text(payload)
@@ -824,7 +826,9 @@ def test_apikeys_page_for_a_superadmin(
     server_factory: ServerFactory, dashboard_factory: DashboardFactory, page: Page
 ) -> None:
     broker = server_factory(config_toml=AUTH_CONFIG)
-    dash = dashboard_factory(broker.addr, env={"FILA_API_KEY": BOOTSTRAP_KEY})
+    dash = dashboard_factory(
+        broker.addr, env={"FILA_API_KEY": BOOTSTRAP_KEY}, extra_args=WRITES_ON_LOOPBACK
+    )
     channel, admin, metadata = _authed_admin(broker.addr, BOOTSTRAP_KEY)
     with channel:
         try:
@@ -887,7 +891,9 @@ def test_out_of_range_numbers_in_forms_are_refused_not_a_server_error(
     server_factory: ServerFactory, dashboard_factory: DashboardFactory, page: Page
 ) -> None:
     broker = server_factory(config_toml=AUTH_CONFIG)
-    dash = dashboard_factory(broker.addr, env={"FILA_API_KEY": BOOTSTRAP_KEY})
+    dash = dashboard_factory(
+        broker.addr, env={"FILA_API_KEY": BOOTSTRAP_KEY}, extra_args=WRITES_ON_LOOPBACK
+    )
     channel, admin, metadata = _authed_admin(broker.addr, BOOTSTRAP_KEY)
     with channel:
         admin.CreateQueue(admin_pb2.CreateQueueRequest(name="oor"), metadata=metadata, timeout=10)
@@ -944,7 +950,9 @@ def test_dashboard_honours_the_acl_of_its_key(
         else:
             raise AssertionError("a consume-only key purged a queue")
 
-    dash = dashboard_factory(broker.addr, env={"FILA_API_KEY": created.key})
+    dash = dashboard_factory(
+        broker.addr, env={"FILA_API_KEY": created.key}, extra_args=WRITES_ON_LOOPBACK
+    )
     page.goto(dash.url + "/")
     expect(page.locator('tr[data-queue="orders"] td.depth')).to_have_text("3")
     expect(page.locator('tr[data-queue="orders"] td.dlq-depth')).to_have_text("2")
@@ -958,3 +966,125 @@ def test_dashboard_honours_the_acl_of_its_key(
     expect(page.locator("#flash")).to_have_text(f"Purge refused by the broker: {broker_message}")
     with connect_as(broker.addr, BOOTSTRAP_KEY) as fila:
         assert stats(fila, "orders.dlq").depth == 2
+
+
+# ----------------------------------------------------------------------------- read-only
+
+READ_ONLY_REFUSAL = "Refused: this dashboard is read-only"
+
+
+def _broker_state(fila: Fila, key_id: str) -> tuple[Any, ...]:
+    """What a write through the dashboard could change: keys, an ACL, config, depths."""
+    keys = fila.admin.ListApiKeys(admin_pb2.ListApiKeysRequest(), timeout=10).keys
+    acl = fila.admin.GetAcl(admin_pb2.GetAclRequest(key_id=key_id), timeout=10)
+    config = fila.admin.ListConfig(admin_pb2.ListConfigRequest(), timeout=10).entries
+    return (
+        sorted((k.key_id, k.name, k.is_superadmin) for k in keys),
+        sorted((p.kind, p.pattern) for p in acl.permissions),
+        sorted((e.key, e.value) for e in config),
+        stats(fila, "jobs").depth,
+        stats(fila, "jobs.dlq").depth,
+    )
+
+
+def test_without_a_token_the_dashboard_is_read_only(
+    server_factory: ServerFactory, dashboard_factory: DashboardFactory, page: Page
+) -> None:
+    """On loopback without `--auth-token`, any local process acted with the dashboard's
+    key (here the bootstrap superadmin's): it read a CSRF token from a page and minted
+    itself a superadmin key. Now every change is refused by the server, with a valid
+    CSRF token too, every page says so, and the broker is left as it was."""
+    broker = server_factory(config_toml=AUTH_CONFIG)
+    with connect_as(broker.addr, BOOTSTRAP_KEY) as fila:
+        try:
+            victim = fila.admin.CreateApiKey(
+                admin_pb2.CreateApiKeyRequest(name="victim"), timeout=10
+            )
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise
+            pytest.skip("this broker answers UNIMPLEMENTED to CreateApiKey (API keys not built)")
+        fila.admin.SetAcl(
+            admin_pb2.SetAclRequest(
+                key_id=victim.key_id,
+                permissions=[admin_pb2.AclPermission(kind="consume", pattern="jobs")],
+            ),
+            timeout=10,
+        )
+        fila.create_queue("jobs", on_failure=DLQ_HOOK)
+        dead_letter(fila, "jobs", 3)
+        fila.admin.SetConfig(admin_pb2.SetConfigRequest(key="keep.me", value="1"), timeout=10)
+        before = _broker_state(fila, victim.key_id)
+
+    dash = dashboard_factory(broker.addr, env={"FILA_API_KEY": BOOTSTRAP_KEY})
+    pages = (
+        "/",
+        "/queues/jobs",
+        "/dlq/jobs.dlq",
+        "/config",
+        "/apikeys",
+        f"/apikeys/{victim.key_id}/acl",
+        "/queues/no-such-queue",
+    )
+    for path in pages:
+        page.goto(dash.url + path)
+        banner = page.locator("#read-only")
+        expect(banner).to_contain_text("changes nothing on the broker")
+        expect(banner).to_contain_text("--auth-token TOKEN")
+        expect(banner).to_contain_text("--allow-writes-on-loopback")
+    for path, button in (
+        ("/apikeys", "#create"),
+        ("/config", "#config-set"),
+        ("/dlq/jobs.dlq", "#purge"),
+        ("/dlq/jobs.dlq", "#redrive"),
+        (f"/apikeys/{victim.key_id}/acl", "#acl-save"),
+    ):
+        page.goto(dash.url + path)
+        expect(page.locator(button)).to_be_disabled()
+
+    # What a local process does: read a valid CSRF token from a page, then post.
+    page.goto(dash.url + "/apikeys")
+    token = page.locator('#create-key input[name="csrf_token"]').input_value()
+    writes = {
+        "/apikeys/create": {"name": "mine", "superadmin": "yes"},
+        f"/apikeys/{victim.key_id}/revoke": {"confirmed": "yes"},
+        f"/apikeys/{victim.key_id}/acl": {"permissions": "admin *"},
+        "/config/set": {"key": "mine", "value": "1"},
+        "/config/delete": {"key": "keep.me"},
+        "/dlq/jobs.dlq/redrive": {"confirmed": "yes", "count": "0"},
+        "/dlq/jobs.dlq/purge": {"confirmed": "yes"},
+    }
+    for path, form in writes.items():
+        reply = page.request.post(
+            dash.url + path, form={**form, "csrf_token": token}, max_redirects=0
+        )
+        assert reply.status == 403, path
+        assert READ_ONLY_REFUSAL in reply.text(), path
+        assert "--auth-token TOKEN" in reply.text()
+    # The confirmation pages, the first step of a change, say so too.
+    for path in (
+        "/dlq/jobs.dlq/confirm/purge",
+        "/dlq/jobs.dlq/confirm/redrive?count=0",
+        f"/apikeys/{victim.key_id}/confirm-revoke",
+    ):
+        reply = page.request.get(dash.url + path)
+        assert reply.status == 403 and READ_ONLY_REFUSAL in reply.text(), path
+    with connect_as(broker.addr, BOOTSTRAP_KEY) as fila:
+        assert _broker_state(fila, victim.key_id) == before
+
+    # With a token (on loopback too), whoever holds it can change things.
+    secret = "a-token-for-the-writable-dashboard"
+    writable = dashboard_factory(
+        broker.addr, env={"FILA_API_KEY": BOOTSTRAP_KEY, "FILA_DASHBOARD_TOKEN": secret}
+    )
+    page.goto(writable.url + "/apikeys")
+    page.locator("#token").fill(secret)
+    page.locator("#login").click()
+    expect(page).to_have_url(writable.url + "/apikeys")
+    expect(page.locator("#read-only")).to_have_count(0)
+    page.locator("#key-name").fill("made-with-the-token")
+    page.locator("#create").click()
+    key_id = page.locator("#new-key-id").inner_text()
+    with connect_as(broker.addr, BOOTSTRAP_KEY) as fila:
+        keys = fila.admin.ListApiKeys(admin_pb2.ListApiKeysRequest(), timeout=10).keys
+        assert (key_id, "made-with-the-token") in [(k.key_id, k.name) for k in keys]

@@ -9,7 +9,9 @@ import pytest
 
 pytest.importorskip("starlette", reason="the dashboard extra is not installed")
 
+from fila.dashboard.app import Settings
 from fila.dashboard.auth import TokenGate
+from fila.dashboard.broker import Connection
 from fila.dashboard.charts import line_chart, nice_ceiling, span_for
 from fila.dashboard.command import is_loopback, parse_listen
 from fila.dashboard.csrf import CsrfTokens
@@ -128,6 +130,19 @@ def test_listen_addresses(listen: str, host: str, port: int, loopback: bool) -> 
 def test_bad_listen_addresses(bad: str) -> None:
     with pytest.raises(click.BadParameter):
         parse_listen(bad)
+
+
+@pytest.mark.parametrize(
+    ("token", "allow_writes", "read_only"),
+    [(None, False, True), ("t" * 16, False, False), (None, True, False), ("t" * 16, True, False)],
+)
+def test_without_a_token_or_the_flag_the_dashboard_is_read_only(
+    token: str | None, allow_writes: bool, read_only: bool
+) -> None:
+    settings = Settings(
+        Connection("localhost:5555"), 8080, True, auth_token=token, allow_writes=allow_writes
+    )
+    assert settings.read_only is read_only
 
 
 def test_session_cookie_is_not_the_token_and_tokens_are_bound_to_their_cookie() -> None:

@@ -89,6 +89,12 @@ def _root_options() -> dict[str, Any]:
     help="Token a browser must present (login form) or a script must send as Bearer.",
 )
 @click.option(
+    "--allow-writes-on-loopback",
+    is_flag=True,
+    help="Without --auth-token the dashboard is read-only; this lets anyone who can "
+    "connect (every local user and process) change the broker through it.",
+)
+@click.option(
     "--sample-interval",
     type=click.FloatRange(min=0.2, max=60),
     default=2.0,
@@ -105,6 +111,7 @@ def dashboard(
     client_cert: str | None,
     client_key: str | None,
     auth_token: str | None,
+    allow_writes_on_loopback: bool,
     sample_interval: float,
 ) -> None:
     """Serve the web dashboard for the broker at --addr."""
@@ -145,17 +152,23 @@ def dashboard(
             f"the dashboard needs its optional dependencies ({err.name} is missing): "
             "pip install 'fila[dashboard]'"
         ) from err
-    app = create_app(
-        Settings(
-            connection=connection,
-            port=port,
-            loopback=loopback,
-            auth_token=auth_token or None,
-            sample_interval=sample_interval,
-        )
+    settings = Settings(
+        connection=connection,
+        port=port,
+        loopback=loopback,
+        auth_token=auth_token or None,
+        allow_writes=allow_writes_on_loopback,
+        sample_interval=sample_interval,
     )
+    app = create_app(settings)
     shown = f"[{host}]" if ":" in host else host
     click.echo(f"fila dashboard: http://{shown}:{port}/ for broker {addr}", err=True)
+    if settings.read_only:
+        click.echo(
+            "fila dashboard: read-only (changes nothing on the broker); to enable changes "
+            "set --auth-token (or FILA_DASHBOARD_TOKEN), or --allow-writes-on-loopback",
+            err=True,
+        )
     uvicorn.Server(
         uvicorn.Config(
             app,

@@ -25,6 +25,7 @@ class Dashboard:
     gate: TokenGate
     flasher: Flasher
     version: str
+    read_only: bool  # see `fila.dashboard.readonly`
 
 
 def of(request: Request) -> Dashboard:

@@ -92,6 +92,7 @@ def page(request: Request, name: str, context: dict[str, Any], status_code: int 
             "broker_addr": dash.broker.addr,
             "refresh_ms": int(dash.sampler.interval * 1000),
             "auth_enabled": dash.gate.enabled,
+            "read_only": dash.read_only,
             "version": dash.version,
             "flash": flash,
             **context,

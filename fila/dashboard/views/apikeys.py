@@ -17,6 +17,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from fila.dashboard import readonly
 from fila.dashboard.broker import BrokerError
 from fila.dashboard.context import of
 from fila.dashboard.flash import Flash
@@ -73,6 +74,8 @@ async def create(request: Request) -> Response:
 
 
 async def confirm_revoke(request: Request) -> Response:
+    if of(request).read_only:
+        return readonly.refused(request)
     key_id = request.path_params["key_id"]
     return page(
         request,

@@ -12,6 +12,7 @@ from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 
+from fila.dashboard import readonly
 from fila.dashboard.broker import BrokerError
 from fila.dashboard.context import of
 from fila.dashboard.flash import Flash
@@ -70,6 +71,8 @@ async def dlq_live(request: Request) -> Response:
 
 
 async def confirm(request: Request) -> Response:
+    if of(request).read_only:
+        return readonly.refused(request)
     name = request.path_params["name"]
     action = request.path_params["action"]
     if (refused := _not_a_dlq(request, name)) is not None:
