@@ -280,7 +280,9 @@ class Broker:
                         )
                 decision = self.decide_enqueue(queue, request.headers, len(request.payload))
             except BrokerError as exc:
-                results.append(exc)
+                # Without its traceback: that holds this frame, and with it every
+                # request and result of the batch, until the cycle collector runs.
+                results.append(exc.with_traceback(None))
                 continue
             delay_ms = request.delay_ms
             raw_id, message_id = next_id()

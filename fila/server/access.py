@@ -118,11 +118,18 @@ def screen(
     caller = _caller.get()
     if caller is None or caller.is_superadmin:
         return items, list
-    refused = {
-        index: _denial(caller, kind, queue)
-        for index, item in enumerate(items)
-        if not caller.permits(kind, queue := queue_of(item))
-    }
+    decided: dict[str, PermissionDenied | None] = {}  # per queue: items name few
+    refused: dict[int, PermissionDenied] = {}
+    for index, item in enumerate(items):
+        queue = queue_of(item)
+        if queue in decided:
+            denial = decided[queue]
+        else:
+            denial = decided[queue] = (
+                None if caller.permits(kind, queue) else _denial(caller, kind, queue)
+            )
+        if denial is not None:
+            refused[index] = denial
     if not refused:
         return items, list
 

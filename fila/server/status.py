@@ -58,15 +58,17 @@ async def abort(context: grpc.aio.ServicerContext[Any, Any], exc: Exception) -> 
     await context.abort(STATUS_BY_KIND[kind], message, trailing_metadata=metadata)
 
 
-def batch_error(exc: Exception) -> service_pb2.BatchError:
+def error_fields(exc: Exception) -> tuple[int, str, str]:
+    """What a `BatchError` carries for `exc`: status code number, kind, message."""
     if isinstance(exc, RemoteError):
-        return service_pb2.BatchError(
-            code=exc.code.value[0], kind=exc.kind_value or "", message=str(exc)
-        )
+        return exc.code.value[0], exc.kind_value or "", str(exc)
     kind, message = kind_and_message(exc)
-    return service_pb2.BatchError(
-        code=STATUS_BY_KIND[kind].value[0], kind=kind.value, message=message
-    )
+    return STATUS_BY_KIND[kind].value[0], kind.value, message
+
+
+def batch_error(exc: Exception) -> service_pb2.BatchError:
+    code, kind, message = error_fields(exc)
+    return service_pb2.BatchError(code=code, kind=kind, message=message)
 
 
 OK = service_pb2.BatchError()

@@ -8,7 +8,10 @@ indexing), so the test suite needs no HTTP/2 library.
 
 Everything the broker sends is parsed into `Frame`s with the time they arrived;
 `pump` reads what is there, answers SETTINGS and PINGs when asked to, and notes a
-GOAWAY and the end of the connection.
+GOAWAY and the end of the connection. It also keeps the broker's flow-control
+windows, so that `send_message` can send gRPC requests as fast as the broker takes
+them and no faster; with `receive_window=0` the client grants the broker no window of
+its own, so the broker can send it no answer at all: a client that never reads.
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ from dataclasses import dataclass, field
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
 
 DATA, HEADERS, RST_STREAM, SETTINGS, PING, GOAWAY, WINDOW_UPDATE = 0, 1, 3, 4, 6, 7, 8
+SETTINGS_INITIAL_WINDOW_SIZE, SETTINGS_MAX_FRAME_SIZE = 0x4, 0x5
+DEFAULT_WINDOW, DEFAULT_MAX_FRAME = 65_535, 16_384
 FLAG_ACK = 0x1
 FLAG_END_STREAM = 0x1
 FLAG_END_HEADERS = 0x4
@@ -64,7 +69,9 @@ def header_block(headers: list[tuple[str, str]]) -> bytes:
     return bytes(out)
 
 
-def grpc_request_headers(path: str, authority: str = "127.0.0.1") -> bytes:
+def grpc_request_headers(
+    path: str, authority: str = "127.0.0.1", metadata: tuple[tuple[str, str], ...] = ()
+) -> bytes:
     return header_block(
         [
             (":method", "POST"),
@@ -73,6 +80,7 @@ def grpc_request_headers(path: str, authority: str = "127.0.0.1") -> bytes:
             (":authority", authority),
             ("content-type", "application/grpc"),
             ("te", "trailers"),
+            *metadata,
         ]
     )
 
@@ -114,19 +122,28 @@ class RawH2Connection:
     """One client connection speaking just enough HTTP/2 to misbehave.
 
     `ack_settings` and `ack_pings` choose whether the broker's SETTINGS and PINGs
-    are acknowledged (a conforming peer does both at once).
+    are acknowledged (a conforming peer does both at once). `receive_window` is the
+    SETTINGS_INITIAL_WINDOW_SIZE announced (None: the default); the client never
+    sends a WINDOW_UPDATE, so each stream takes at most that many bytes of answers.
     """
 
     host: str
     port: int
     ack_settings: bool = True
     ack_pings: bool = True
+    receive_window: int | None = None
     sock: socket.socket = field(init=False)
     frames: list[Frame] = field(default_factory=list)
     goaway: GoAway | None = None
     closed_at: float | None = None
     opened_at: float = 0.0
     _buffer: bytearray = field(default_factory=bytearray)
+    # The broker's flow control: what this client may still send, on the connection
+    # and per stream, and the largest frame it takes.
+    _send_window: int = DEFAULT_WINDOW
+    _stream_windows: dict[int, int] = field(default_factory=dict)
+    _peer_initial_window: int = DEFAULT_WINDOW
+    _peer_max_frame: int = DEFAULT_MAX_FRAME
 
     def __post_init__(self) -> None:
         self.sock = socket.create_connection((self.host, self.port), timeout=5)
@@ -134,9 +151,46 @@ class RawH2Connection:
         self.opened_at = time.monotonic()
 
     def start(self) -> RawH2Connection:
-        """Sends the connection preface and an empty SETTINGS frame."""
-        self.send(PREFACE + frame(SETTINGS, 0, 0))
+        """Sends the connection preface and a SETTINGS frame (empty unless
+        `receive_window` is set)."""
+        settings = b""
+        if self.receive_window is not None:
+            settings = struct.pack(">HI", SETTINGS_INITIAL_WINDOW_SIZE, self.receive_window)
+        self.send(PREFACE + frame(SETTINGS, 0, 0, settings))
         return self
+
+    def open_call(
+        self, stream_id: int, path: str, metadata: tuple[tuple[str, str], ...] = ()
+    ) -> None:
+        """Starts a call on `stream_id` (odd, increasing) whose requests follow."""
+        self._stream_windows[stream_id] = self._peer_initial_window
+        self.send(
+            frame(
+                HEADERS, FLAG_END_HEADERS, stream_id, grpc_request_headers(path, metadata=metadata)
+            )
+        )
+
+    def send_message(self, stream_id: int, message: bytes, within: float) -> bool:
+        """Sends one gRPC message on an open call as the broker's windows allow; False
+        if the broker granted no room for `within` seconds at some point (it stopped
+        reading the call), with part of the message possibly sent."""
+        data = memoryview(b"\x00" + struct.pack(">I", len(message)) + message)
+        while data:
+            room = min(self._send_window, self._stream_windows[stream_id], self._peer_max_frame)
+            if room <= 0:
+                granted = self._send_window, self._stream_windows[stream_id]
+                deadline = time.monotonic() + within
+                while (self._send_window, self._stream_windows[stream_id]) == granted:
+                    if self.closed_at is not None or time.monotonic() >= deadline:
+                        return False
+                    self.pump(0.05)
+                continue
+            chunk, data = data[:room], data[room:]
+            self._send_window -= len(chunk)
+            self._stream_windows[stream_id] -= len(chunk)
+            if not self.send(frame(DATA, 0, stream_id, bytes(chunk))):
+                return False
+        return True
 
     def send(self, data: bytes) -> bool:
         """Sends `data`; False (and the connection noted closed) if the broker has
@@ -167,6 +221,40 @@ class RawH2Connection:
             self._buffer += data
             self._parse()
             deadline = time.monotonic()  # then drain what is already there
+
+    def end_requests(self, stream_id: int) -> None:
+        """Half-closes a call: no more requests (an empty DATA frame with END_STREAM)."""
+        self.send(frame(DATA, FLAG_END_STREAM, stream_id))
+
+    def grant(self, stream_id: int, size: int) -> None:
+        """Lets the broker send `size` more bytes of answers on `stream_id` (a
+        WINDOW_UPDATE for the stream and one for the connection)."""
+        increment = struct.pack(">I", size)
+        self.send(
+            frame(WINDOW_UPDATE, 0, stream_id, increment) + frame(WINDOW_UPDATE, 0, 0, increment)
+        )
+
+    def answers(self, stream_id: int) -> list[bytes]:
+        """The gRPC messages received on `stream_id` so far, in order."""
+        data = b"".join(
+            f.payload for f in self.frames if f.kind == DATA and f.stream_id == stream_id
+        )
+        messages, offset = [], 0
+        while offset + 5 <= len(data):
+            length = struct.unpack(">I", data[offset + 1 : offset + 5])[0]
+            if offset + 5 + length > len(data):
+                break
+            messages.append(data[offset + 5 : offset + 5 + length])
+            offset += 5 + length
+        return messages
+
+    def ended(self, stream_id: int) -> bool:
+        """Whether the broker ended the call (its trailers, or a reset)."""
+        return any(
+            f.stream_id == stream_id
+            and (f.kind == RST_STREAM or (f.kind == HEADERS and f.flags & FLAG_END_STREAM))
+            for f in self.frames
+        )
 
     def count(self, kind: int, *, flags: int | None = None) -> int:
         return sum(
@@ -207,10 +295,29 @@ class RawH2Connection:
             del buf[: 9 + length]
             now = time.monotonic()
             self.frames.append(Frame(now, kind, flags, sid, payload))
-            if kind == SETTINGS and not flags & FLAG_ACK and self.ack_settings:
-                self.send(frame(SETTINGS, FLAG_ACK, 0))
+            if kind == SETTINGS and not flags & FLAG_ACK:
+                self._peer_settings(payload)
+                if self.ack_settings:
+                    self.send(frame(SETTINGS, FLAG_ACK, 0))
             elif kind == PING and not flags & FLAG_ACK and self.ack_pings:
                 self.send(frame(PING, FLAG_ACK, 0, payload))
+            elif kind == WINDOW_UPDATE:
+                increment = struct.unpack(">I", payload[:4])[0] & 0x7FFFFFFF
+                if sid == 0:
+                    self._send_window += increment
+                elif sid in self._stream_windows:
+                    self._stream_windows[sid] += increment
             elif kind == GOAWAY and self.goaway is None:
                 last, code = struct.unpack(">II", payload[:8])
                 self.goaway = GoAway(now, last & 0x7FFFFFFF, code, payload[8:])
+
+    def _peer_settings(self, payload: bytes) -> None:
+        for offset in range(0, len(payload) - 5, 6):
+            identifier, value = struct.unpack(">HI", payload[offset : offset + 6])
+            if identifier == SETTINGS_INITIAL_WINDOW_SIZE:
+                delta = value - self._peer_initial_window
+                self._peer_initial_window = value
+                for stream_id in self._stream_windows:
+                    self._stream_windows[stream_id] += delta
+            elif identifier == SETTINGS_MAX_FRAME_SIZE:
+                self._peer_max_frame = value
