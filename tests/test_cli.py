@@ -72,7 +72,7 @@ def test_queue_create_list_inspect_delete(server: ServerProcess, tmp_path: Path)
     for text in (throttle, "rate/s", "2.5", "burst"):
         assert text in inspected
 
-    assert ok(server, "queue", "delete", name).strip() == f'Deleted queue "{name}"'
+    assert ok(server, "queue", "delete", name, "--yes").strip() == f'Deleted queue "{name}"'
     assert name not in ok(server, "queue", "list")
 
 
@@ -101,7 +101,7 @@ def test_queue_commands_json(server: ServerProcess) -> None:
     assert stats["enqueued_total"] == 1 and stats["delivered_total"] == 0
     assert isinstance(stats["per_throttle"], list)
 
-    assert ok_json(server, "queue", "delete", name) == {"name": name, "deleted": True}
+    assert ok_json(server, "queue", "delete", name, "-y") == {"name": name, "deleted": True}
 
 
 def test_config_set_get_list(server: ServerProcess) -> None:
@@ -141,7 +141,7 @@ def test_redrive(server: ServerProcess) -> None:
 
 def test_errors_are_one_line_and_exit_1(server: ServerProcess, tmp_path: Path) -> None:
     missing = unique("orders")
-    assert fails(server, "queue", "delete", missing) == (
+    assert fails(server, "queue", "delete", missing, "--yes") == (
         f'fila: error: queue "{missing}" not found'
     )
     assert "not found" in fails(server, "queue", "inspect", missing)
@@ -324,7 +324,7 @@ def test_json_before_and_after_the_subcommand(server: ServerProcess, tmp_path: P
         "queue": dlq,
         "purged": 0,
     }
-    assert ok_json(server, "queue", "delete", name) == {"name": name, "deleted": True}
+    assert ok_json(server, "queue", "delete", name, "-y") == {"name": name, "deleted": True}
 
 
 def test_usage_errors_are_one_line_and_exit_2(server: ServerProcess) -> None:

@@ -8,12 +8,14 @@ the repository (its tracked and unignored files, as a clone has them), with the
 project's virtualenv first on PATH and `FILA_ADDR` pointing at a broker this test
 started on a free port.
 
-Lines are run verbatim, with two exceptions, which are the test's own job:
+Lines are run verbatim, with three exceptions, which are the test's own job:
 - lines that set up the virtualenv (`source .venv/bin/activate`, `scripts/setup.sh`)
   or run this suite (`scripts/test.sh`, which would run this test again) are skipped;
 - a line that starts the broker (`./scripts/serve.sh ARGS` or `fila-server ARGS`,
   in the background or not) starts `fila-server ARGS` in the background on a free
-  port and a fresh data directory, and points `FILA_ADDR` at it for what follows.
+  port and a fresh data directory, and points `FILA_ADDR` at it for what follows;
+- a line that points `FILA_ADDR` at the port a README broker listens on
+  (`export FILA_ADDR=...`) is skipped: the test already pointed it at that broker.
 In Python blocks the address "localhost:5555" reads `FILA_ADDR` instead.
 
 Markers, HTML comments on the line before a block (invisible to readers):
@@ -53,6 +55,7 @@ _BROKER: Final = re.compile(
     r"^(?:exec\s+)?(?:(?:\./)?scripts/serve\.sh|(?:\.venv/bin/)?fila-server)"
     r"(?P<args>(?:\s+[^&#]*?)?)\s*&?\s*(?:#.*)?$"
 )
+_ADDR_EXPORT: Final = re.compile(r"^export\s+FILA_ADDR=\S+\s*(?:#.*)?$")
 _ONE_SHOT_FLAGS: Final = re.compile(r"--(check-config|print-default-config|version|help|repair)\b")
 _DEFAULT_ADDR: Final = re.compile(r"""(["'])localhost:5555\1""")
 
@@ -109,7 +112,7 @@ def blocks(markdown: str) -> list[Block]:
 def shell_line(line: str) -> str:
     """The line as the session runs it (see the module docstring)."""
     code = line.strip()
-    if _VENV_OR_SUITE.match(code):
+    if _VENV_OR_SUITE.match(code) or _ADDR_EXPORT.match(code):
         return f": readme-test skipped: {code!r}"
     broker = _BROKER.match(code)
     if broker and not _ONE_SHOT_FLAGS.search(broker["args"]):
@@ -230,6 +233,8 @@ def test_session_rules() -> None:
         "fila-server --check-config --config x.toml"
     )
     assert shell_line("fila queue list --json") == "fila queue list --json"
+    assert shell_line("export FILA_ADDR=localhost:5556").startswith(": readme-test skipped")
+    assert shell_line("export FILA_ADDR_X=1") == "export FILA_ADDR_X=1"
     skipped = "<!-- readme-test: skip (why) -->\n```sh\nfalse\n```\n"
     assert blocks(skipped) == [Block("sh", "false\n", 2, "skip")]
     assert session(skipped)[0] == PRELUDE + "\n"

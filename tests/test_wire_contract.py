@@ -53,6 +53,10 @@ FIELDS: dict[str, dict[str, tuple[int, str]]] = {
         "throttle_keys": (3, "repeated string"),
         "attempt_count": (4, "uint32"),
         "queue_id": (5, "string"),
+        # job-queue additions, second round
+        "last_error": (6, "string"),
+        "last_failed_at": (7, TS),
+        "dead_lettered_at": (8, TS),
     },
     "MessageTimestamps": {"enqueued_at": (1, TS), "leased_at": (2, TS)},
     # service.proto
@@ -60,6 +64,7 @@ FIELDS: dict[str, dict[str, tuple[int, str]]] = {
         "queue": (1, "string"),
         "headers": (2, "map<string,string>"),
         "payload": (3, "bytes"),
+        "delay_ms": (4, "uint64"),  # job-queue additions
     },
     "EnqueueResponse": {"message_id": (1, "string")},
     "ConsumeRequest": {"queue": (1, "string")},
@@ -75,6 +80,9 @@ FIELDS: dict[str, dict[str, tuple[int, str]]] = {
         "on_enqueue_script": (1, "string"),
         "on_failure_script": (2, "string"),
         "visibility_timeout_ms": (3, "uint64"),
+        # job-queue additions, second round
+        "max_attempts": (4, "uint32"),
+        "retry_backoff": (5, "string"),
     },
     "DeleteQueueRequest": {"queue": (1, "string")},
     "DeleteQueueResponse": {},
@@ -101,12 +109,25 @@ FIELDS: dict[str, dict[str, tuple[int, str]]] = {
         "per_throttle_stats": (7, "repeated M.PerThrottleKeyStats"),
         "leader_node_id": (8, "uint64"),
         "replication_count": (9, "uint32"),
+        # job-queue additions
+        "enqueued_total": (10, "uint64"),
+        "delivered_total": (11, "uint64"),
+        "acked_total": (12, "uint64"),
+        "nacked_total": (13, "uint64"),
+        "expired_total": (14, "uint64"),
+        "dead_lettered_total": (15, "uint64"),
+        # job-queue additions, second round
+        "delayed": (16, "uint64"),
+        "hook_errors_total": (17, "uint64"),
+        "last_hook_error": (18, "string"),
+        "last_hook_error_at": (19, TS),
     },
     "PerFairnessKeyStats": {
         "key": (1, "string"),
         "pending_count": (2, "uint64"),
         "current_deficit": (3, "int64"),
         "weight": (4, "uint32"),
+        "delivered_total": (5, "uint64"),
     },
     "PerThrottleKeyStats": {
         "key": (1, "string"),
@@ -156,6 +177,62 @@ FIELDS: dict[str, dict[str, tuple[int, str]]] = {
         "permissions": (2, "repeated M.AclPermission"),
         "is_superadmin": (3, "bool"),
     },
+    # job-queue additions (this broker's extensions, SPEC 1)
+    "ExtendLeaseRequest": {
+        "queue": (1, "string"),
+        "message_id": (2, "string"),
+        "extend_ms": (3, "uint64"),
+    },
+    "ExtendLeaseResponse": {"deadline": (1, TS)},
+    "PeekMessagesRequest": {
+        "queue": (1, "string"),
+        "limit": (2, "uint32"),
+        "after_id": (3, "string"),
+        "fairness_key": (4, "string"),
+        "state": (5, "enum fila.v1.MessageState"),
+    },
+    "PeekMessagesResponse": {
+        "messages": (1, "repeated M.Message"),
+        "next_after_id": (2, "string"),
+        "states": (3, "repeated M.PeekedState"),
+    },
+    "PeekedState": {
+        "state": (1, "enum fila.v1.MessageState"),
+        "ready_at": (2, TS),
+        "lease_deadline": (3, TS),
+    },
+    "PurgeQueueRequest": {"queue": (1, "string")},
+    "PurgeQueueResponse": {"purged": (1, "uint64")},
+    "GetQueueRequest": {"queue": (1, "string")},
+    "GetQueueResponse": {
+        "name": (1, "string"),
+        "config": (2, "M.QueueConfig"),
+        "dlq": (3, "string"),
+    },
+    "UpdateQueueRequest": {
+        "queue": (1, "string"),
+        "config": (2, "M.QueueConfig"),
+        "update_mask": (3, "repeated string"),
+    },
+    "UpdateQueueResponse": {"config": (1, "M.QueueConfig")},
+    # cluster mode (SPEC 9)
+    "ClusterStatusRequest": {},
+    "ClusterStatusResponse": {
+        "enabled": (1, "bool"),
+        "node_id": (2, "uint64"),
+        "nodes": (3, "repeated M.ClusterNodeStatus"),
+    },
+    "ClusterNodeStatus": {
+        "node_id": (1, "uint64"),
+        "advertise_addr": (2, "string"),
+        "up": (3, "bool"),
+        "queue_count": (4, "uint32"),
+    },
+}
+
+# enum -> value -> number (SPEC 1, job-queue additions, second round)
+ENUMS: dict[str, dict[str, int]] = {
+    "MessageState": {"MESSAGE_STATE_UNSPECIFIED": 0, "READY": 1, "DELAYED": 2, "LEASED": 3},
 }
 
 # service -> rpc -> (request, response, server streaming)
@@ -165,6 +242,7 @@ RPCS: dict[str, dict[str, tuple[str, str, bool]]] = {
         "Consume": ("ConsumeRequest", "ConsumeResponse", True),
         "Ack": ("AckRequest", "AckResponse", False),
         "Nack": ("NackRequest", "NackResponse", False),
+        "ExtendLease": ("ExtendLeaseRequest", "ExtendLeaseResponse", False),
     },
     "FilaAdmin": {
         name: (f"{name}Request", f"{name}Response", False)
@@ -182,6 +260,11 @@ RPCS: dict[str, dict[str, tuple[str, str, bool]]] = {
             "ListApiKeys",
             "SetAcl",
             "GetAcl",
+            "PeekMessages",
+            "PurgeQueue",
+            "ClusterStatus",
+            "GetQueue",
+            "UpdateQueue",
         )
     },
 }
@@ -255,6 +338,15 @@ def _contract_violations(pool: descriptor_pool.DescriptorPool) -> list[str]:
             actual = (field.number, _type_name(field))
             if actual != (number, type_name):
                 problems.append(f"{message}.{name} is {actual}, expected {(number, type_name)}")
+    for enum, values in ENUMS.items():
+        try:
+            edesc = pool.FindEnumTypeByName(f"fila.v1.{enum}")
+        except KeyError:
+            problems.append(f"enum fila.v1.{enum} is missing")
+            continue
+        actual_values = {v.name: v.number for v in edesc.values}
+        if actual_values != values:
+            problems.append(f"enum {enum} is {actual_values}, expected {values}")
     for service, rpcs in RPCS.items():
         try:
             sdesc: ServiceDescriptor = pool.FindServiceByName(f"fila.v1.{service}")

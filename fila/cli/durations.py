@@ -1,40 +1,54 @@
-"""Durations on the command line: `250ms`, `30s`, `5m`, `1h30m`, `2d`.
-
-Whole numbers with a unit, one or more parts, as Go's and systemd's notations
-write them; a bare number is refused because its unit would be a guess.
+"""Duration flags: every one takes `250ms`, `30s`, `5m`, `1h30m`, `2d`
+(see `fila.durations`); a plain number keeps the unit the flag always had
+(milliseconds, or seconds for the refresh intervals of watch mode and the dashboard).
 """
 
 from __future__ import annotations
 
+import math
 import re
-from typing import Final
+from typing import Any, Final
 
 import click
 
-_UNIT_MS: Final = {"ms": 1, "s": 1_000, "m": 60_000, "h": 3_600_000, "d": 86_400_000}
-_PART: Final = re.compile(r"(\d+)(ms|s|m|h|d)")
-_WHOLE: Final = re.compile(r"(?:\d+(?:ms|s|m|h|d))+")
-EXAMPLES: Final = "e.g. 250ms, 30s, 5m, 1h30m"
+from fila.durations import EXAMPLES, format_ms, parse_ms
+
+__all__ = ["EXAMPLES", "Duration", "format_ms", "option_ms", "parse_ms"]
+
+_PLAIN_SECONDS: Final = re.compile(r"\d+(\.\d+)?|\.\d+")
 
 
-def parse_ms(text: str) -> int:
-    """Milliseconds in `text`; ValueError naming the accepted forms otherwise."""
-    spec = text.strip().lower()
-    if not _WHOLE.fullmatch(spec):
-        raise ValueError(f'"{text}" is not a duration: use a number and a unit, {EXAMPLES}')
-    return sum(int(number) * _UNIT_MS[unit] for number, unit in _PART.findall(spec))
+class Duration(click.ParamType):  # type: ignore[type-arg]
+    """A duration option: milliseconds (int), or with `seconds=True` seconds (float,
+    where a plain number, fractions allowed, is seconds as before). `min_ms`/`max_ms`
+    bound it."""
 
+    name = "duration"
 
-def format_ms(ms: int) -> str:
-    """`5400000` -> `1h30m`: the shortest spelling `parse_ms` reads back."""
-    if ms == 0:
-        return "0s"
-    parts = []
-    for unit in ("d", "h", "m", "s", "ms"):
-        count, ms = divmod(ms, _UNIT_MS[unit])
-        if count:
-            parts.append(f"{count}{unit}")
-    return "".join(parts)
+    def __init__(self, *, min_ms: int = 0, max_ms: int | None = None, seconds: bool = False):
+        self.min_ms = min_ms
+        self.max_ms = max_ms
+        self.seconds = seconds
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if not isinstance(value, str):
+            return value  # a default given as a number
+        text = value.strip()
+        try:
+            if self.seconds and _PLAIN_SECONDS.fullmatch(text):
+                seconds = float(text)
+                if math.isnan(seconds) or math.isinf(seconds):
+                    raise ValueError(f'"{value}" is not a number of seconds')
+                ms = math.ceil(seconds * 1000)
+            else:
+                ms = parse_ms(text)
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
+        if ms < self.min_ms or (self.max_ms is not None and ms > self.max_ms):
+            upper = f" and {format_ms(self.max_ms)}" if self.max_ms is not None else ""
+            word = "between" if self.max_ms is not None else "at least"
+            self.fail(f'"{value}" must be {word} {format_ms(self.min_ms)}{upper}', param, ctx)
+        return ms / 1000 if self.seconds else ms
 
 
 def option_ms(ctx: click.Context, param: click.Parameter, value: str | None) -> int | None:

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import itertools
-import math
 import sys
 import time
-from typing import Any, Final
+from typing import Final
 
 import click
 
 from fila.cli import live, raw
 from fila.cli.connection import connect
 from fila.cli.context import F, group
+from fila.cli.durations import Duration
 from fila.cli.errors import Failure
 from fila.cli.files import text_or_file
 from fila.cli.output import emit, message_json, messages_table
@@ -22,17 +22,6 @@ from fila_sdk import Client, QueueInfo, QueueNotFoundError
 
 # The broker's largest peek page: `queue peek --count N` costs ceil(N / 1000) calls.
 PEEK_PAGE: Final = 1000
-
-
-class _Seconds(click.FloatRange):
-    """A number of seconds within a range; click's FloatRange alone lets "nan" through
-    (it compares false with both bounds), which made a watch refresh in a tight loop."""
-
-    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
-        seconds = super().convert(value, param, ctx)
-        if math.isnan(seconds):
-            self.fail(f"{value!r} is not a number of seconds", param, ctx)
-        return seconds
 
 
 def _watch_options(command: F) -> F:
@@ -46,11 +35,12 @@ def _watch_options(command: F) -> F:
         ),
         click.option(
             "--interval",
-            type=_Seconds(min=0.1, max=86_400),
+            type=Duration(min_ms=100, max_ms=86_400_000, seconds=True),
             default=1.0,
             show_default=True,
-            metavar="SECONDS",
-            help="Time between refreshes in watch mode.",
+            metavar="DURATION",
+            help="Time between refreshes in watch mode, e.g. 500ms, 2s (a plain number "
+            "is seconds).",
         ),
         click.option(
             "--watch",
@@ -74,9 +64,9 @@ def queue() -> None:
 @click.option("--on-failure", metavar="SCRIPT|@FILE", help="Lua on_failure hook.")
 @click.option(
     "--visibility-timeout",
-    type=click.IntRange(min=1),
-    metavar="MS",
-    help="Lease duration in milliseconds (broker default 30000).",
+    type=Duration(min_ms=1),
+    metavar="DURATION",
+    help="Lease duration, e.g. 30s, 5m (a plain number is milliseconds; broker default 30s).",
 )
 @click.option(
     "--exist-ok",
@@ -111,10 +101,24 @@ def queue_create(
 
 @queue.command("delete")
 @click.argument("name")
+@click.option("--yes", "-y", is_flag=True, help="Delete without asking for confirmation.")
 @click.pass_context
-def queue_delete(ctx: click.Context, name: str) -> None:
-    """Delete queue NAME with its messages and its dead-letter queue."""
-    connect(ctx).delete_queue(name)
+def queue_delete(ctx: click.Context, name: str, yes: bool) -> None:
+    """Delete queue NAME with its messages and its dead-letter queue. Asks for
+    confirmation unless --yes is given."""
+    client = connect(ctx)
+    if not yes:
+        if not sys.stdin.isatty():
+            raise Failure(
+                f'refusing to delete "{name}" without --yes: stdin is not a terminal, so '
+                "there is no one to confirm"
+            )
+        stats = client.get_stats(name)
+        held = stats.depth + stats.in_flight
+        question = f'Delete queue "{name}", its {held} message(s) and its dead-letter queue?'
+        if not click.confirm(question, err=True):
+            raise Failure(f'delete of "{name}" cancelled; nothing was deleted')
+    client.delete_queue(name)
     emit(ctx, {"name": name, "deleted": True}, f'Deleted queue "{name}"')
 
 

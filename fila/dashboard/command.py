@@ -13,6 +13,7 @@ from typing import Any, Final
 
 import click
 
+from fila.cli.durations import Duration
 from fila.dashboard.broker import Connection
 from fila.wire import DEFAULT_ADDR, is_port
 
@@ -96,11 +97,12 @@ def _root_options() -> dict[str, Any]:
 )
 @click.option(
     "--sample-interval",
-    type=click.FloatRange(min=0.2, max=60),
+    type=Duration(min_ms=200, max_ms=60_000, seconds=True),
     default=2.0,
     show_default=True,
-    metavar="SECONDS",
-    help="How often the broker is sampled and open pages refresh.",
+    metavar="DURATION",
+    help="How often the broker is sampled and open pages refresh, e.g. 500ms, 5s (a plain "
+    "number is seconds).",
 )
 def dashboard(
     listen: str,
