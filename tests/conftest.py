@@ -22,6 +22,16 @@ from fila.server.process import ServerProcess
 if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+# Fixtures that start fila-server processes; a test using one is marked `process`, so
+# `-m "not process"` keeps only what runs in this process (scripts/mutation.sh).
+PROCESS_FIXTURES = frozenset({"server", "server_factory"})
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if PROCESS_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.process)
+
 
 @pytest.fixture
 def server_factory(tmp_path: Path) -> Iterator[ServerFactory]:

@@ -220,15 +220,20 @@ def test_peek_errors(server_factory: ServerFactory) -> None:
     server = server_factory()
     with connect(server.addr) as fila:
         fila.create_queue("q")
-        for i in range(3):
-            _enqueue(fila, "q", b"%d" % i)
+        batch = [service_pb2.EnqueueRequest(queue="q", payload=b"%d" % i) for i in range(1001)]
+        reply = fila.svc.EnqueueBatch(
+            service_pb2.EnqueueBatchRequest(messages=batch), timeout=RPC_TIMEOUT_S
+        )
+        ids = [r.message_id for r in reply.results]
         missing = rpc_error(fila.admin.PeekMessages, admin_pb2.PeekMessagesRequest(queue="nope"))
         assert missing.code() == grpc.StatusCode.NOT_FOUND
         bad_after = admin_pb2.PeekMessagesRequest(queue="q", after_id="not-an-id")
         assert rpc_error(fila.admin.PeekMessages, bad_after).code() == (
             grpc.StatusCode.INVALID_ARGUMENT
         )
-        assert len(_peek(fila, "q", limit=100_000).messages) == 3  # capped, not refused
+        capped = _peek(fila, "q", limit=100_000)  # over 1,000: treated as 1,000, not refused
+        assert [m.id for m in capped.messages] == ids[:1000]
+        assert capped.next_after_id == ids[999]
 
 
 def test_purge_deletes_ready_and_delayed_and_leaves_leased_to_finish(

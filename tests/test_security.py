@@ -33,7 +33,7 @@ import pytest
 from click.testing import CliRunner, Result
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from support import ServerFactory
+from support import ServerFactory, wait_until
 
 from fila.cli import cli
 from fila.core.clock import ManualClock
@@ -47,7 +47,7 @@ from fila.security.failures import (
     MAX_PEERS,
     FailureGuard,
 )
-from fila.security.keyring import Keyring, Refusal
+from fila.security.keyring import BOOTSTRAP_NAME, Keyring, Refusal
 from fila.security.keystore import LocalKeyStore, StoredKeys
 from fila.server.access import RULES, Scope
 from fila.server.process import ServerProcess
@@ -1266,3 +1266,93 @@ def test_a_consume_stream_that_starts_after_its_key_was_revoked_is_refused(
             held.send(service_pb2.StreamConsumeRequest(queue=name))
     assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
     assert admin.get_stats(name).in_flight == 0
+
+
+async def _next_delivery(stream: Any) -> service_pb2.ConsumeResponse:
+    """The next ConsumeResponse that carries a message (keepalives skipped)."""
+    while True:
+        response = await asyncio.wait_for(stream.read(), RPC_WAIT_S)
+        if response.HasField("message") or response.messages:
+            return response  # type: ignore[no-any-return]
+
+
+RPC_WAIT_S = 10.0
+
+
+def test_an_acl_change_leaves_open_streams_running_and_stream_enqueue_applies_it_next(
+    admin: Client, secured: ServerProcess
+) -> None:
+    """semantics.md, Security: changing a key's ACL does not end open streams; a consume
+    stream keeps its queue (and settles on it), a StreamEnqueue applies the new ACL
+    from its next request, message by message."""
+    queue, elsewhere = unique("aclkeep"), unique("aclnew")
+    admin.create_queue(queue)
+    admin.create_queue(elsewhere)
+    key = new_key(admin, f"consume:{queue}", f"produce:{queue}")
+    md = (("authorization", f"Bearer {key.key}"),)
+
+    def message(name: str, payload: bytes) -> service_pb2.EnqueueRequest:
+        return service_pb2.EnqueueRequest(queue=name, payload=payload)
+
+    async def scenario() -> None:
+        async with grpc.aio.insecure_channel(secured.addr) as channel:
+            svc = service_pb2_grpc.FilaServiceStub(channel)
+            consuming = svc.StreamConsume(metadata=md)
+            await consuming.write(service_pb2.StreamConsumeRequest(queue=queue))
+            producing = svc.StreamEnqueue(metadata=md)
+            await producing.write(
+                service_pb2.StreamEnqueueRequest(
+                    sequence_number=1, messages=[message(queue, b"before")]
+                )
+            )
+            before = await asyncio.wait_for(producing.read(), RPC_WAIT_S)
+            assert before.results[0].message_id
+            assert (await _next_delivery(consuming)).message.payload == b"before"
+
+            await asyncio.to_thread(admin.set_acl, key.key_id, [f"produce:{elsewhere}"])
+
+            await producing.write(
+                service_pb2.StreamEnqueueRequest(
+                    sequence_number=2,
+                    messages=[message(queue, b"refused"), message(elsewhere, b"allowed")],
+                )
+            )
+            after = await asyncio.wait_for(producing.read(), RPC_WAIT_S)
+            assert after.sequence_number == 2
+            refused, allowed = after.results
+            assert refused.error.code == grpc.StatusCode.PERMISSION_DENIED.value[0]
+            assert allowed.message_id
+            # The consume stream is still open on its queue: it gets the next message
+            # and settles what it holds.
+            await asyncio.to_thread(admin.enqueue, queue, None, b"still consumed")
+            delivered = await _next_delivery(consuming)
+            assert delivered.message.payload == b"still consumed"
+            await consuming.write(service_pb2.StreamConsumeRequest(ack_ids=[delivered.message.id]))
+            await producing.done_writing()
+            await consuming.done_writing()
+
+    asyncio.run(scenario())
+    assert admin.get_stats(elsewhere).depth == 1
+
+    # "before" came back when the stream ended (it was never acked); the ack on the
+    # stream after the change was applied, so "still consumed" is gone.
+    def settled() -> bool:
+        stats = admin.get_stats(queue)
+        return (stats.depth, stats.in_flight) == (1, 0)
+
+    wait_until(settled, RPC_WAIT_S)
+
+
+def test_the_bootstrap_key_is_neither_listed_nor_revocable(server_factory: ServerFactory) -> None:
+    """semantics.md, Keys: the bootstrap key is configuration, not a stored key."""
+    srv = server_factory(env={"FILA_BOOTSTRAP_APIKEY": BOOT})
+    with Client(srv.addr, api_key=BOOT) as admin:
+        assert admin.list_api_keys() == []
+        created = new_key(admin)
+        assert [k.key_id for k in admin.list_api_keys()] == [created.key_id]
+        with pytest.raises(ApiKeyNotFoundError):
+            admin.revoke_api_key(BOOTSTRAP_NAME)
+        admin.create_queue(unique("still-works"))
+    srv.restart()
+    with Client(srv.addr, api_key=BOOT) as admin:
+        assert [k.key_id for k in admin.list_api_keys()] == [created.key_id]

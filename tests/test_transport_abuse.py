@@ -21,10 +21,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerFactory, wait_until
 from support.h2raw import (
     ENHANCE_YOUR_CALM,
+    FLAG_END_HEADERS,
+    HEADERS,
     PING,
     REFUSED_STREAM,
+    RST_STREAM,
     SETTINGS,
     RawH2Connection,
+    frame,
+    grpc_request_headers,
     open_and_reset,
 )
 from support.stubs import RPC_TIMEOUT_S, connect
@@ -98,6 +103,31 @@ def test_rapid_reset_is_refused_per_connection_and_other_clients_are_served(
         attacker.pump(0.5)
         refused = attacker.rst_codes().get(REFUSED_STREAM, 0)
         assert refused > 0, f"no stream refused out of {sent[0]} opened and reset"
+    assert server.running
+
+
+def test_a_connection_holds_1024_calls_at_once_and_the_next_is_refused(
+    server_factory: ServerFactory,
+) -> None:
+    """semantics.md, Limits and load: a connection may hold 1,024 calls (HTTP/2 streams)
+    at once. 1,024 calls left open (headers sent, no request yet) are all kept; the
+    1,025th is refused with REFUSED_STREAM (a gRPC client holds it until one ends)."""
+    server = server_factory()
+    with RawH2Connection(server.host, server.port).start() as conn:
+        assert _advertised_settings(conn)[SETTINGS_MAX_CONCURRENT_STREAMS] == 1024
+        block = grpc_request_headers("/grpc.health.v1.Health/Check")
+        held = [1 + 2 * n for n in range(1024)]
+        conn.send(b"".join(frame(HEADERS, FLAG_END_HEADERS, sid, block) for sid in held))
+        extra = held[-1] + 2
+        conn.send(frame(HEADERS, FLAG_END_HEADERS, extra, block))
+
+        def reset_streams() -> set[int]:
+            return {f.stream_id for f in conn.frames if f.kind == RST_STREAM}
+
+        _pump_until([conn], lambda: extra in reset_streams(), PROMPT_S)
+        conn.pump(0.2)
+        assert reset_streams() == {extra}
+        assert conn.rst_codes() == {REFUSED_STREAM: 1}
     assert server.running
 
 

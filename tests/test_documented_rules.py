@@ -1,0 +1,269 @@
+"""Rules docs/semantics.md states that no other test would notice being broken.
+
+Each test drives the real broker in-process (`support.core`: in-memory storage, a
+manual clock) through the calls the gRPC edge makes, and checks the documented rule
+from the outside: where a message is, its attempt count, when it comes back. Each was
+seen to fail with the rule broken (docs/testing.md lists the breaks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+from support.core import CoreBroker, make_core
+
+from fila.config import parse_config
+from fila.core.errors import ResourceExhausted
+from fila.v1 import service_pb2
+
+DEAD_LETTER = 'function on_failure(m) return { action = "dlq" } end'
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(test())
+
+
+def _depth(core: CoreBroker, queue: str) -> tuple[int, int]:
+    """(depth, in_flight), as GetStats reports them."""
+    stats = core.broker.admin.stats(queue)
+    return stats.depth, stats.in_flight
+
+
+def _attempts(core: CoreBroker, queue: str) -> dict[str, int]:
+    """Every message of `queue` (ready, delayed or leased) and its attempt count."""
+    page, _ = core.broker.admin.peek(queue, 1000, "", "")
+    return {m.id: m.metadata.attempt_count for m in page}
+
+
+async def _dead_lettering_queue(core: CoreBroker, *, visibility_timeout_ms: int = 0) -> None:
+    await core.broker.admin.create_queue("q", "", DEAD_LETTER, visibility_timeout_ms)
+
+
+async def _nack(core: CoreBroker, queue: str, *message_ids: str) -> None:
+    results, committed = core.broker.nack([(queue, m, "failed") for m in message_ids])
+    assert results == [None] * len(message_ids)
+    await committed
+    await core.settle()
+
+
+# -- leases that end without a nack --------------------------------------------------------
+
+
+def test_an_expired_lease_counts_an_attempt_but_does_not_run_on_failure() -> None:
+    """semantics.md, Consumers and leases: expiry is a failed attempt, but a consumer
+    that vanished must not push messages into the DLQ by timing out."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await _dead_lettering_queue(core, visibility_timeout_ms=1000)
+        (message_id,) = await core.enqueue("q")
+        consumer = core.broker.delivery.attach_consumer("q")
+        await core.settle()
+        assert core.take(consumer) == [message_id]
+        await core.advance(1001)
+        assert _attempts(core, "q") == {message_id: 1}
+        assert _depth(core, "q.dlq") == (0, 0)
+        assert core.take(consumer) == [message_id], "ready again in its own queue"
+
+    run(scenario)
+
+
+def test_a_stream_consume_stream_that_ends_returns_what_it_was_sent_without_on_failure() -> None:
+    """semantics.md, Batch paths: a StreamConsume stream's end returns its sent,
+    unsettled messages as a failed attempt, like an expired lease, without running
+    on_failure; messages it was never sent come back with no attempt."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await _dead_lettering_queue(core)
+        sent, unsent = await core.enqueue("q", 2)
+        consumer = core.broker.delivery.attach_consumer(
+            "q", prefetch=2, max_batch=1, owns_settlement=True
+        )
+        await core.settle()
+        assert core.broker.delivery.sending(consumer, 1) is not None  # `sent` leaves
+        core.broker.delivery.detach_consumer(consumer)
+        await core.settle()
+        assert _attempts(core, "q") == {sent: 1, unsent: 0}
+        assert _depth(core, "q") == (2, 0)
+        assert _depth(core, "q.dlq") == (0, 0)
+
+    run(scenario)
+
+
+def test_extend_lease_may_shorten_a_deadline_and_the_message_comes_back_then() -> None:
+    """semantics.md: ExtendLease sets the deadline to now + extend_ms, shorter or not."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 30_000)
+        (message_id,) = await core.enqueue("q")
+        consumer = core.broker.delivery.attach_consumer("q")
+        await core.settle()
+        assert core.take(consumer) == [message_id]
+        await core.advance(1000)
+        deadline, committed = core.broker.extend_lease("q", message_id, 500)
+        await committed
+        assert deadline == core.clock.now_ms() + 500
+        await core.advance(499)
+        assert core.take(consumer) == []
+        await core.advance(2)
+        assert core.take(consumer) == [message_id], "back at the shortened deadline"
+        assert _attempts(core, "q") == {message_id: 1}
+
+    run(scenario)
+
+
+# -- dead-letter queues ----------------------------------------------------------------------
+
+
+def test_a_nack_in_a_dlq_retries_at_once_in_the_dlq() -> None:
+    """semantics.md, Queues: a DLQ has no hooks and no DLQ of its own; a nack there
+    makes the message ready again at once, in the DLQ."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await _dead_lettering_queue(core)
+        (message_id,) = await core.enqueue("q")
+        consumer = core.broker.delivery.attach_consumer("q")
+        await core.settle()
+        core.take(consumer)
+        await _nack(core, "q", message_id)
+        assert _attempts(core, "q.dlq") == {message_id: 1}
+        dead = core.broker.delivery.attach_consumer("q.dlq")
+        await core.settle()
+        assert core.take(dead) == [message_id]
+        await _nack(core, "q.dlq", message_id)
+        assert core.take(dead) == [message_id], "ready again at once, with no delay"
+        assert _attempts(core, "q.dlq") == {message_id: 2}
+        assert _depth(core, "q") == (0, 0)
+
+    run(scenario)
+
+
+def _bounded(depth: int) -> CoreBroker:
+    return make_core(config=parse_config(f"[server]\nmax_queue_depth = {depth}\n", "test"))
+
+
+async def _refused(core: CoreBroker, queue: str) -> bool:
+    results, committed = core.broker.enqueue([service_pb2.EnqueueRequest(queue=queue)])
+    await committed
+    return isinstance(results[0], ResourceExhausted)
+
+
+def test_max_queue_depth_never_refuses_dead_lettering() -> None:
+    """semantics.md, Limits: dead-lettering moves a message already stored, so a DLQ
+    at `server.max_queue_depth` still takes it."""
+
+    async def scenario() -> None:
+        core = _bounded(2)
+        await _dead_lettering_queue(core)
+        failed: list[str] = []
+        for _ in range(2):  # two rounds of two: the DLQ is full after the first
+            ids = await core.enqueue("q", 2)
+            assert await _refused(core, "q"), "the limit is in force"
+            consumer = core.broker.delivery.attach_consumer("q", prefetch=10)
+            await core.settle()
+            assert core.take(consumer) == ids
+            await _nack(core, "q", *ids)
+            core.broker.delivery.detach_consumer(consumer)
+            failed += ids
+        assert _depth(core, "q.dlq") == (4, 0)
+        assert set(_attempts(core, "q.dlq")) == set(failed)
+
+    run(scenario)
+
+
+def test_max_queue_depth_never_refuses_redrive() -> None:
+    """semantics.md, Limits: redrive moves messages already stored, so it moves them
+    into a queue at `server.max_queue_depth`."""
+
+    async def scenario() -> None:
+        core = _bounded(2)
+        await _dead_lettering_queue(core)
+        dead = await core.enqueue("q", 2)
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=10)
+        await core.settle()
+        assert core.take(consumer) == dead
+        await _nack(core, "q", *dead)
+        core.broker.delivery.detach_consumer(consumer)
+        full = await core.enqueue("q", 2)
+        assert await _refused(core, "q"), "the queue is full"
+        moved, committed = core.broker.admin.redrive("q.dlq", 0)
+        await committed
+        await core.settle()
+        assert moved == 2
+        assert _depth(core, "q") == (4, 0)
+        assert set(_attempts(core, "q")) == set(full + dead)
+
+    run(scenario)
+
+
+# -- consumers and peek ----------------------------------------------------------------------
+
+
+def test_prefetch_is_capped_by_max_prefetch() -> None:
+    """api.md / semantics.md, Batch paths: a stream's prefetch is capped by
+    `scheduler.max_prefetch`."""
+
+    async def scenario() -> None:
+        core = make_core(config=parse_config("[scheduler]\nmax_prefetch = 5\n", "test"))
+        await core.broker.admin.create_queue("q", "", "", 0)
+        ids = await core.enqueue("q", 12)
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=100, max_batch=100)
+        await core.settle()
+        assert core.take(consumer) == ids[:5]
+        assert core.take(consumer) == []
+        assert _depth(core, "q") == (7, 5)
+
+    run(scenario)
+
+
+def test_a_peek_limit_over_1000_is_treated_as_1000() -> None:
+    """semantics.md: `limit` over 1,000 is treated as 1,000 (not refused), and
+    `next_after_id` says there is more."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 0)
+        ids = await core.enqueue("q", 1001)
+        page, after = core.broker.admin.peek("q", 100_000, "", "")
+        assert [m.id for m in page] == ids[:1000]
+        assert after == ids[999]
+        rest, end = core.broker.admin.peek("q", 100_000, after, "")
+        assert ([m.id for m in rest], end) == (ids[1000:], "")
+
+    run(scenario)
+
+
+def test_a_peek_page_stops_at_about_3_mib() -> None:
+    """semantics.md: a page stops early at about 3 MiB of messages, so an answer fits
+    a default client's 4 MiB; paging goes on from where it stopped."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 0)
+        requests = [
+            service_pb2.EnqueueRequest(queue="q", payload=bytes(700 * 1024)) for _ in range(10)
+        ]
+        results, committed = core.broker.enqueue(requests)
+        await committed
+        await core.settle()
+        ids = [str(r) for r in results]
+        seen: list[str] = []
+        after = ""
+        pages = 0
+        while True:
+            page, after = core.broker.admin.peek("q", 1000, after, "")
+            pages += 1
+            # 4 x 700 KiB fit under 3 MiB, a fifth would not: "about 3 MiB", both ways
+            assert len(page) == min(4, 10 - len(seen))
+            assert sum(m.ByteSize() for m in page) <= 3 * 1024 * 1024
+            seen += [m.id for m in page]
+            if not after:
+                break
+            assert after == page[-1].id
+        assert (seen, pages) == (ids, 3)
+
+    run(scenario)
