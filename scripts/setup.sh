@@ -7,6 +7,8 @@
 # install, or when the installed set lacks what is asked for (a dev install serves both).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source=scripts/system.sh
+source scripts/system.sh
 
 want_extras=dev
 if [[ "${1:-}" == "--runtime" ]]; then
@@ -17,11 +19,13 @@ elif [[ $# -gt 0 ]]; then
 fi
 
 if [[ ! -x .venv/bin/python ]]; then
+  if ! command -v python3 >/dev/null; then
+    apt_install python3 python3-venv python3-pip
+  fi
   if ! python3 -m venv .venv 2>/dev/null; then
     # Debian ships venv/ensurepip separately
     rm -rf .venv
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq python3-venv python3-pip
+    apt_install python3-venv python3-pip
     python3 -m venv .venv
   fi
 fi

@@ -992,14 +992,17 @@ def test_a_join_whose_create_was_made_again_holds_the_key_it_created() -> None:
 
 
 def _loopback_name() -> str | None:
-    """This host's name, if it resolves to a loopback IPv4 address (where the tests'
-    etcd listens), else None."""
-    name = socket.gethostname()
-    try:
-        found = socket.getaddrinfo(name, None, socket.AF_INET)
-    except OSError:
-        return None
-    return name if found and all(info[4][0].startswith("127.") for info in found) else None
+    """A host name that resolves only to loopback IPv4 addresses (where the tests' etcd
+    listens): this host's own name where it does, else "localhost" (a container's
+    name resolves to its network address), else None."""
+    for name in (socket.gethostname(), "localhost"):
+        try:
+            found = socket.getaddrinfo(name, None, socket.AF_INET)
+        except OSError:
+            continue
+        if found and all(info[4][0].startswith("127.") for info in found):
+            return name
+    return None
 
 
 def test_etcd_endpoints_become_a_grpc_target() -> None:

@@ -831,17 +831,7 @@ def test_apikeys_page_for_a_superadmin(
     )
     channel, admin, metadata = _authed_admin(broker.addr, BOOTSTRAP_KEY)
     with channel:
-        try:
-            admin.ListApiKeys(admin_pb2.ListApiKeysRequest(), metadata=metadata, timeout=10)
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            page.goto(dash.url + "/apikeys")
-            expect(page.locator("#apikeys-unavailable")).to_contain_text(
-                "not available on this broker"
-            )
-            pytest.skip("this broker answers UNIMPLEMENTED to ListApiKeys (API keys not built)")
-
+        admin.ListApiKeys(admin_pb2.ListApiKeysRequest(), metadata=metadata, timeout=10)
         page.goto(dash.url + "/apikeys")
         page.locator("#key-name").fill("reader")
         page.locator("#create").click()
@@ -918,17 +908,10 @@ def test_dashboard_honours_the_acl_of_its_key(
     server_factory: ServerFactory, dashboard_factory: DashboardFactory, page: Page
 ) -> None:
     """A dashboard holding a limited key sees what the key may see, and a refused action
-    shows the broker's reason. Needs API keys on the broker (skipped while UNIMPLEMENTED)."""
+    shows the broker's reason."""
     broker = server_factory(config_toml=AUTH_CONFIG)
     with connect_as(broker.addr, BOOTSTRAP_KEY) as fila:
-        try:
-            created = fila.admin.CreateApiKey(
-                admin_pb2.CreateApiKeyRequest(name="viewer"), timeout=10
-            )
-        except grpc.RpcError as err:
-            if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise
-            pytest.skip("this broker answers UNIMPLEMENTED to CreateApiKey (API keys not built)")
+        created = fila.admin.CreateApiKey(admin_pb2.CreateApiKeyRequest(name="viewer"), timeout=10)
         fila.admin.SetAcl(
             admin_pb2.SetAclRequest(
                 key_id=created.key_id,
