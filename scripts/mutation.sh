@@ -1,0 +1,94 @@
+#!/usr/bin/env bash
+# Mutation testing of the core against the fast in-process tests (mutmut):
+#   ./scripts/mutation.sh [MODULE_GLOB ...]
+# MODULE_GLOB defaults to every module under fila/core/ plus fila/storage/committer.py;
+# pass a few to bound a run, e.g. `./scripts/mutation.sh fila/core/drr.py fila/core/leases.py`.
+#
+# Each mutant (a small change to one function: a flipped comparison, a changed
+# constant, a dropped call) must turn at least one test red; one that leaves every
+# test green ("survived") marks behaviour no test pins. mutmut runs, for each mutant,
+# only the tests that called the mutated function, so the run scales with the code.
+#
+# Which tests: every tests/test_*.py that drives the core in-process (imports
+# `support.core`), plus tests/test_storage_committer.py, minus the tests in those
+# files that start server processes (`-m "not process"`, see tests/conftest.py):
+# a mutant lives in this process only, and a server child would never see it.
+# Override with MUTATION_TESTS="tests/a.py tests/b.py".
+#
+# The run happens in a scratch copy of the tracked files (MUTATION_DIR, default
+# .mutation/), so the work tree is never touched; the copy is kept, and a second run
+# with the same code reuses mutmut's cache there. Results: $MUTATION_DIR/results.txt
+# (every mutant not killed) and the score line printed at the end; inspect one with
+#   (cd .mutation && ../.venv/bin/mutmut show <name>)
+# MUTATION_JOBS (default 2) is how many mutants run at once.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh
+root=$PWD
+
+modules=("$@")
+if [[ ${#modules[@]} -eq 0 ]]; then
+  modules=("fila/core/*.py" "fila/storage/committer.py")
+fi
+if [[ -n "${MUTATION_TESTS:-}" ]]; then
+  read -r -a tests <<<"$MUTATION_TESTS"
+else
+  mapfile -t tests < <(
+    { grep -l "^from support.core import" tests/test_*.py; echo tests/test_storage_committer.py; } |
+      sort -u
+  )
+fi
+work=${MUTATION_DIR:-.mutation}
+jobs=${MUTATION_JOBS:-2}
+
+echo "mutating: ${modules[*]}"
+echo "tests:    ${tests[*]}"
+
+# The scratch copy: tracked files as they are in the work tree (edits included).
+mkdir -p "$work"
+find "$work" -mindepth 1 -maxdepth 1 ! -name mutants -exec rm -rf {} +
+git ls-files -z --cached --others --exclude-standard |
+  while IFS= read -r -d "" f; do [[ -e "$f" ]] && printf '%s\0' "$f"; done |
+  tar --null -T - -cf - | tar -xf - -C "$work"
+
+toml_list() {
+  local out="" item
+  for item in "$@"; do out+="\"$item\", "; done
+  printf '[%s]' "${out%, }"
+}
+# A mutant can leave a test's event loop waiting forever (a future never resolved):
+# --timeout ends such a test. The limit is generous because mutmut's trampolines slow
+# every call of a mutated module: the DRR property test takes about a minute under
+# them (a second or two without).
+cat >>"$work/pyproject.toml" <<EOF
+
+# written by scripts/mutation.sh into its scratch copy
+[tool.mutmut]
+source_paths = ["fila"]
+only_mutate = $(toml_list "${modules[@]}")
+pytest_add_cli_args_test_selection = $(toml_list "${tests[@]}" -m "not process")
+pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "--timeout=150", "-o", "timeout_method=thread"]
+EOF
+
+cd "$work"
+status=0
+"$root/.venv/bin/mutmut" run --max-children "$jobs" || status=$?
+"$root/.venv/bin/mutmut" results >results.txt || true
+"$root/.venv/bin/mutmut" export-cicd-stats >/dev/null || true
+"$root/.venv/bin/python" - <<'EOF'
+import json
+from pathlib import Path
+
+stats = json.loads(Path("mutants/mutmut-cicd-stats.json").read_text())
+killed, timeout, survived = stats["killed"], stats.get("timeout", 0), stats["survived"]
+no_tests, total = stats.get("no_tests", 0), stats["total"]
+judged = killed + timeout + survived + no_tests
+score = 100 * (killed + timeout) / judged if judged else 0.0
+print(
+    f"mutation score {score:.1f}% of {judged} mutants judged: {killed} killed, "
+    f"{timeout} timed out (killed), {survived} survived, {no_tests} with no test; "
+    f"{total - judged} of {total} not judged (run again to go on)"
+)
+EOF
+echo "mutants not killed: $work/results.txt"
+exit "$status"
