@@ -7,7 +7,6 @@ real child process killed with SIGKILL.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import subprocess
 import sys
@@ -155,10 +154,14 @@ def test_disconnected_consumer_gives_back_unsent_at_once_and_received_after_time
         first = f.consume("handoff", read_limit=read_by_first)
         received = first.take(read_by_first)
         first_leased = {m.id: _ms(m.timestamps.leased_at) for m in received}
-        # Observe the stream for a moment before it goes: a broker that pushes more than
-        # it should to a client that stopped reading does so within this window.
-        with contextlib.suppress(TimeoutError):  # timing out = the broker held back, good
-            wait_until(lambda: f.stats("handoff").in_flight > read_by_first + HOLD_ALLOWANCE, 0.5)
+        # The broker leases a consumer what its buffer holds at once, and no more until
+        # it settles: a client that stopped reading holds exactly consumer_buffer.
+        wait_until(
+            lambda: f.stats("handoff").in_flight >= CONSUMER_BUFFER,
+            5.0,
+            what="the first consumer's buffer is filled",
+        )
+        assert f.stats("handoff").in_flight == CONSUMER_BUFFER
         first.cancel()
         wait_until(
             lambda: f.stats("handoff").active_consumers == 0,

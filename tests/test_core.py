@@ -7,6 +7,7 @@ they need no server process, never sleep, and move time explicitly.
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections import Counter, deque
 from collections.abc import Awaitable, Callable
 
@@ -340,12 +341,30 @@ def test_a_throttled_queue_wakes_when_tokens_refill() -> None:
 
 
 def test_sync_mode_answers_only_after_a_sync() -> None:
+    """The enqueue's answer waits for the fsync of its write: with the sync held on the
+    fsync thread, the answer stays pending however long the loop runs."""
+
     async def scenario() -> None:
         core = make_core(persist_mode="sync", queues=["q"])
         await core.settle()
+        started, release = threading.Event(), threading.Event()
+        sync = core.storage.sync
+
+        def held_sync() -> None:
+            started.set()
+            release.wait(10)
+            sync()
+
+        core.storage.sync = held_sync  # type: ignore[method-assign]
         syncs = core.storage.sync_count
-        await core.enqueue("q")
-        assert core.storage.sync_count > syncs
+        _, committed = core.broker.enqueue([service_pb2.EnqueueRequest(queue="q")])
+        assert await asyncio.to_thread(started.wait, 10), "no sync started"
+        for _ in range(20):  # every turn the loop could take to answer early
+            await asyncio.sleep(0)
+        assert not committed.done(), "answered before its write was synced"
+        release.set()
+        await committed
+        assert core.storage.sync_count == syncs + 1
 
     run(scenario)
 

@@ -136,15 +136,12 @@ def test_visibility_timeout_expiry_redelivers_with_attempt_count_plus_one(
         message_id = f.enqueue("slowjobs", b"work")
         with f.consume("slowjobs") as stream:
             first = stream.get()
-            got_first = time.monotonic()
             assert (first.id, first.metadata.attempt_count) == (message_id, 0)
             # Neither acked nor nacked: the lease must expire and the message come back.
             second = stream.get(timeout=5.0)
-            waited = time.monotonic() - got_first
             assert (second.id, second.metadata.attempt_count) == (message_id, 1)
             lease_gap_ms = _ms(second.timestamps.leased_at) - _ms(first.timestamps.leased_at)
             assert lease_gap_ms >= timeout_ms, lease_gap_ms
-            assert waited < 5.0
             third = stream.get(timeout=5.0)
             assert (third.id, third.metadata.attempt_count) == (message_id, 2)
             f.ack("slowjobs", message_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import socket
 import threading
 import time
@@ -230,16 +231,27 @@ def test_answers_fit_a_default_client_and_echo_little(server_factory: ServerFact
         huge_id = "x" * 100_000
         err = rpc_error(fila.svc.Ack, service_pb2.AckRequest(queue="many", message_id=huge_id))
         assert err.code() == grpc.StatusCode.NOT_FOUND
-        assert len(err.details() or "") < 400
+        assert _longest_echo(err, "x") == ECHO_LIMIT
         err = rpc_error(fila.admin.GetConfig, admin_pb2.GetConfigRequest(key="k" * 100_000))
         assert err.code() == grpc.StatusCode.NOT_FOUND
-        assert len(err.details() or "") < 400
+        assert _longest_echo(err, "k") == ECHO_LIMIT
         err = rpc_error(
             fila.admin.SetConfig,
             admin_pb2.SetConfigRequest(key="throttle.t", value="1," + "9" * 100_000),
         )
         assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
-        assert len(err.details() or "") < 400
+        assert _longest_echo(err, "9") <= ECHO_LIMIT
+
+
+# semantics.md, Limits and load: "Errors echo at most 120 characters of a name or id."
+ECHO_LIMIT = 120
+
+
+def _longest_echo(err: grpc.RpcError, char: str) -> int:
+    """The longest run of `char` in the error's message: how much of a name made of
+    that one character it echoed."""
+    runs = re.findall(f"{re.escape(char)}+", err.details() or "")  # type: ignore[attr-defined]
+    return max(map(len, runs), default=0)
 
 
 def test_queue_count_and_throttle_ranges_are_bounded(server_factory: ServerFactory) -> None:
