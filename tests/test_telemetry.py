@@ -583,7 +583,8 @@ def test_logs_are_one_parseable_event_per_line_without_payloads_or_keys(
     messages = [event["msg"] for event in events]
     assert "forged" not in {event["ts"] for event in events}
     hook_failures = [e for e in events if e["msg"].startswith("lua hook failed")]
-    assert len(hook_failures) == 2 and all("ts=forged" in e["msg"] for e in hook_failures)
+    assert len(hook_failures) == 2 and all("ts=forged" in e["error"] for e in hook_failures)
+    assert all(e["msg"] == "lua hook failed" and e["queue"] == "logs" for e in hook_failures)
     created = next(e for e in events if e["msg"] == "queue created")
     assert created["queue"] == "logs" and created["logger"] == "fila.broker"
     listening = next(e for e in events if e["msg"] == "listening")

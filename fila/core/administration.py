@@ -366,7 +366,7 @@ class Administration:
     def restore_queue(self, record: QueueRecord) -> Queue:
         """A stored queue; a stored script that no longer loads is logged, not fatal."""
         try:
-            hooks = self._make_hooks(record)
+            hooks = self._make_hooks(record, strict=False)
         except InvalidArgument as exc:
             log.error(
                 "stored script no longer loads, hooks disabled",
@@ -402,7 +402,9 @@ class Administration:
         self.broker.queues[record.name] = queue
         return queue
 
-    def _make_hooks(self, record: QueueRecord) -> QueueHooks | None:
+    def _make_hooks(self, record: QueueRecord, *, strict: bool = True) -> QueueHooks | None:
+        """The queue's hooks; `strict` (creation, update) also refuses calls of what the
+        sandbox lacks, which recovery does not (a stored queue loads as it did)."""
         if not (record.on_enqueue_script.strip() or record.on_failure_script.strip()):
             return None
         try:
@@ -413,6 +415,7 @@ class Administration:
                 self.broker.settings.lua,
                 self.broker.config.get,
                 self.broker.clock,
+                strict=strict,
             )
         except ScriptError as exc:
             raise InvalidArgument(f'queue "{record.name}": {exc}') from None

@@ -16,7 +16,6 @@ be the producer's.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Mapping
@@ -26,6 +25,7 @@ from typing import Literal
 from fila.core.clock import Clock
 from fila.lua.sandbox import LuaSandbox, Outcome, ScriptError
 from fila.lua.script_log import ScriptLog, _Bucket
+from fila.lua.static_check import check_globals
 
 log = logging.getLogger("fila.lua")
 
@@ -66,6 +66,7 @@ class HookCounters:
     failed: int = 0
     bypassed: int = 0
     last_error: str = ""
+    last_error_at_ms: int = 0  # on the broker's clock; 0 = never
 
 
 @dataclass(slots=True)
@@ -133,18 +134,24 @@ class FailureLog:
             self.dropped += 1
             return
         dropped, self.dropped = self.dropped, 0
-        # quoted: a script's error text must not be able to forge log lines
+        # fields, not words in the message: the log formatter quotes and escapes each
+        # value, so a script's error text cannot forge a line or a field
         log.warning(
-            "lua hook failed queue=%s error=%s",
-            self._queue,
-            json.dumps(text, ensure_ascii=False),
-            extra={"hook": hook, "dropped_before": dropped or None},
+            "lua hook failed",
+            extra={
+                "queue": self._queue,
+                "hook": hook,
+                "error": text,
+                "dropped_before": dropped or None,
+            },
         )
 
 
 def validate_scripts(on_enqueue: str, on_failure: str, limits: LuaLimits) -> None:
     """Raises ScriptError if either script would be refused at queue creation."""
-    QueueHooks("validation", on_enqueue, on_failure, limits, lambda _key: None, _NO_CLOCK)
+    QueueHooks(
+        "validation", on_enqueue, on_failure, limits, lambda _key: None, _NO_CLOCK, strict=True
+    )
 
 
 class _NoClock:
@@ -167,8 +174,13 @@ class QueueHooks:
         limits: LuaLimits,
         config_get: Callable[[str], str | None],
         clock: Clock,
+        *,
+        strict: bool = False,
     ) -> None:
+        """`strict` (creation and update, not recovery): also refuse a script that calls
+        what the sandbox lacks (`fila.lua.static_check`)."""
         self._queue = queue
+        self._strict = strict
         self._clock = clock
         self._failure_log = FailureLog(queue)
         self._sandbox = LuaSandbox(
@@ -242,12 +254,15 @@ class QueueHooks:
         hook.counters.failed += 1
         text = str(outcome[1])[:ERROR_TEXT_MAX]
         hook.counters.last_error = text
+        hook.counters.last_error_at_ms = self._clock.now_ms()
         self._failure_log.failed(hook.name, text)
 
     def _load(self, source: str, name: str, limits: LuaLimits) -> _Hook | None:
         if not source.strip():
             return None
         try:
+            if self._strict:
+                check_globals(source, self._sandbox.environment())
             self._sandbox.load(name, source)
         except ScriptError as exc:
             raise ScriptError(f"{name} script {exc}") from None

@@ -327,7 +327,25 @@ local function load_script(name, source) return settle(raw_pcall(compile, name, 
 local function on_enqueue(...) return settle(raw_pcall(enqueue_body, ...)) end
 local function on_failure(...) return settle(raw_pcall(failure_body, ...)) end
 
+-- What scripts can reach, for the broker's creation-time check (static_check.py): one
+-- line per global, "name" or "name member member ..." for the tables; taken before any
+-- script adds globals of its own.
+local function listing()
+  local lines = {}
+  for name, value in pairs(env) do
+    if name ~= "_G" then
+      local line = { name }
+      if type(value) == "table" then
+        for member in pairs(value) do line[#line + 1] = member end
+      end
+      lines[#lines + 1] = concat(line, " ")
+    end
+  end
+  return concat(lines, "\n")
+end
+local names = listing()
+
 gc("collect")
 BASE_KB = gc("count")
 plant()
-return load_script, on_enqueue, on_failure
+return load_script, on_enqueue, on_failure, names

@@ -150,7 +150,8 @@ class LuaSandbox:
             name=b"=fila.sandbox",
             mode=b"b",
         )
-        self._load, self._on_enqueue, self._on_failure = entry_points
+        self._load, self._on_enqueue, self._on_failure, names = entry_points
+        self._names: bytes = names
         # the cap counts what scripts add to the state, not the sandbox itself
         gate.limit = runtime.get_memory_used(total=True) + memory_limit_bytes
         self._runtime = runtime
@@ -160,6 +161,15 @@ class LuaSandbox:
     @property
     def budget_s(self) -> float:
         return self._budget_s
+
+    def environment(self) -> dict[str, frozenset[str]]:
+        """What a script can reach: each global, with its members when it is a table
+        (`string`, `math`, `fila`, ...); as built, before any script ran."""
+        found: dict[str, frozenset[str]] = {}
+        for line in self._names.decode().splitlines():
+            name, *members = line.split(" ")
+            found[name] = frozenset(members)
+        return found
 
     def load(self, name: str, source: str) -> None:
         """Compiles and runs a script's top level, which must define function `name`."""
