@@ -269,6 +269,34 @@ def test_deleting_a_queue_whose_streams_spent_the_buffer_budget_unblocks_the_oth
     run(scenario)
 
 
+def test_a_frame_counts_against_the_buffer_budget_until_it_is_written() -> None:
+    """gRPC holds a frame until the client's window lets it out: its messages stay
+    counted, for the stream and the broker, until the write returned (`sent`)."""
+
+    async def scenario() -> None:
+        config = parse_config("[scheduler]\nstream_buffer_bytes = 3000\n", "test")
+        core = make_core(queues=["q"], config=config)
+        big = [service_pb2.EnqueueRequest(queue="q", payload=bytes(1000)) for _ in range(10)]
+        _, committed = core.broker.enqueue(big)
+        await committed
+        delivery = core.broker.delivery
+        consumer = delivery.attach_consumer("q", prefetch=100, max_batch=100)
+        await core.settle()
+        buffered = consumer.buffered_bytes
+        assert 3000 <= buffered < 4200 and consumer.unsettled == 3, "the stream is full"
+        assert delivery.sending(consumer, 100) is not None  # handed to gRPC, not written
+        await core.settle()
+        assert (consumer.buffered_bytes, consumer.held_bytes) == (0, buffered)
+        assert core.broker.buffers.bytes == buffered, "still the broker's"
+        assert consumer.unsettled == 3, "a stream whose frame is not out gets no more"
+        delivery.sent(consumer)
+        await core.settle()
+        assert consumer.unsettled == 6, "written: room for more"
+        assert consumer.held_bytes == core.broker.buffers.bytes == consumer.buffered_bytes
+
+    run(scenario)
+
+
 def test_prefetch_bounds_unsettled_messages_per_consumer() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])

@@ -19,7 +19,7 @@ import pytest
 from support import ServerFactory, wait_until
 from support.cluster import Bearer
 from support.h2raw import RawH2Connection
-from support.stubs import RPC_TIMEOUT_S, Fila
+from support.stubs import RPC_TIMEOUT_S, Fila, connect
 
 from fila.server.process import ServerProcess
 from fila.v1 import admin_pb2, service_pb2
@@ -29,6 +29,7 @@ from fila.v1.service_pb2_grpc import FilaServiceStub
 MIB = 1024 * 1024
 BOOT = "memory-bounds-bootstrap-key"
 STREAM_ENQUEUE = "/fila.v1.FilaService/StreamEnqueue"
+CONSUME = "/fila.v1.FilaService/Consume"
 QUIET_S = 0.6  # unchanged this long: the broker takes no more
 WITHIN_S = 30.0
 PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
@@ -149,3 +150,73 @@ def test_a_stream_enqueue_that_never_reads_holds_its_failed_answers_as_bytes(
             assert answer.results[0].message_id
             assert {r.error.kind for r in answer.results[1:]} == {kind}
             assert len(answer.results) == ITEMS
+
+
+# -- Consume: frames gRPC has not written --------------------------------------------------
+
+CONSUMERS = 32
+PAYLOAD = 16 * 1024
+STREAM_BUFFER = 512 * 1024
+TOTAL_BUFFER = 16 * MIB
+BUFFERS = (
+    f"[scheduler]\nstream_buffer_bytes = {STREAM_BUFFER}\ntotal_buffer_bytes = {TOTAL_BUFFER}\n"
+)
+# Messages leased to the streams are all the broker holds for them: the broker-wide
+# budget, which a stream may pass by one message (docs/semantics.md).
+LEASED_BOUND = TOTAL_BUFFER + CONSUMERS * PAYLOAD
+# The leased messages twice (a frame is built as a copy of its records, and gRPC
+# keeps a copy of a frame it has not written), and the heap's slack.
+CONSUMED_BOUND = 2 * LEASED_BOUND + 8 * MIB
+
+
+def test_consume_streams_that_never_read_hold_no_more_than_the_buffer_budget(
+    server_factory: ServerFactory,
+) -> None:
+    """A frame handed to gRPC stays in the broker until the client's window lets it
+    out. It used to leave the buffer budget when it was handed over, so every stream
+    that never read held a frame beyond the budget, and was given a full buffer more:
+    198 MiB added with `total_buffer_bytes` at 64 MiB."""
+    server = server_factory(config_toml=BUFFERS)
+    messages = 6_000  # more than the streams could take even beyond the budget
+    with connect(server.addr) as fila:
+        fila.create_queue("q")
+        batch = [service_pb2.EnqueueRequest(queue="q", payload=bytes(PAYLOAD))] * 500
+        for _ in range(messages // len(batch)):
+            fila.svc.EnqueueBatch(
+                service_pb2.EnqueueBatchRequest(messages=batch), timeout=RPC_TIMEOUT_S
+            )
+    server.restart()  # its resident size from here on is what consuming takes
+    with connect(server.addr) as fila:
+
+        def leased() -> int:
+            return fila.stats("q").in_flight
+
+        before = rss(server.pid)
+        with RawH2Connection(server.host, server.port, receive_window=0).start() as client:
+            streams = [1 + 2 * n for n in range(CONSUMERS)]
+            request = service_pb2.ConsumeRequest(queue="q", prefetch=1000, max_batch=1000)
+            for stream in streams:
+                client.open_call(stream, CONSUME)
+                assert client.send_message(stream, request.SerializeToString(), within=10)
+                client.end_requests(stream)
+            held = settled(leased)
+            grown = rss(server.pid) - before
+            assert grown < CONSUMED_BOUND, f"{grown / MIB:.0f} MiB held for {held} messages"
+            assert held * PAYLOAD <= LEASED_BOUND, f"{held} messages leased"
+
+            for stream in streams:
+                client.grant(stream, 1 << 30)
+            seen: set[str] = set()
+            counted = dict.fromkeys(streams, 0)
+
+            def delivered() -> int:
+                client.pump(0.05)
+                for stream in streams:
+                    frames = client.answers(stream)
+                    for frame in frames[counted[stream] :]:
+                        response = service_pb2.ConsumeResponse.FromString(frame)
+                        seen.update(message.id for message in response.messages)
+                    counted[stream] = len(frames)
+                return len(seen)
+
+            wait_until(lambda: delivered() == messages, WITHIN_S, what="every message sent")

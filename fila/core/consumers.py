@@ -2,11 +2,14 @@
 
 A consumer holds at most `prefetch` unsettled leases (delivered or waiting to be
 sent, and not yet acked, nacked or expired) and at most `max_buffered_bytes` of
-messages waiting to be sent. Those bounds, not the stream's transport buffer,
-keep a slow or vanished consumer from hoarding messages or memory: gRPC accepts
-writes as long as the client's transport keeps reading into its own buffers,
-whether or not the application reads them. Once full, the scheduler passes the
-consumer by and serves the others; a settled lease or a sent frame gives room back.
+messages not yet sent: buffered, or in the frame handed to gRPC whose write has not
+returned (gRPC holds a frame until the client's HTTP/2 window lets it out, so a
+client that does not read keeps its last frame in the broker). Those bounds, not the
+stream's transport buffer, keep a slow or vanished consumer from hoarding messages or
+memory: gRPC accepts writes as long as the client's transport keeps reading into its
+own buffers, whether or not the application reads them. Once full, the scheduler
+passes the consumer by and serves the others; a settled lease or a written frame
+gives room back.
 
 `ConsumerRing` is the only place that decides whether a consumer is *waiting*
 (has room and sits in the round-robin of consumers the pump serves): the
@@ -26,7 +29,8 @@ _ids = itertools.count(1)
 
 
 class BufferBudget:
-    """Bytes buffered for sending across every stream, against one broker-wide limit."""
+    """Bytes not yet sent (buffered, or in a frame gRPC has not written) across every
+    stream, against one broker-wide limit."""
 
     __slots__ = ("bytes", "limit")
 
@@ -56,6 +60,7 @@ class Consumer:
         "max_batch",
         "max_buffered_bytes",
         "queue_name",
+        "sending_bytes",
         "stream_leases",
         "unsettled",
         "waiting",
@@ -82,6 +87,7 @@ class Consumer:
         self._closed_with: BrokerError | None = None
         self.unsettled = 0
         self.buffered_bytes = 0
+        self.sending_bytes = 0  # taken into the frame being written; see `sent`
         # Set by ConsumerRing only: True while in its queue's round-robin of consumers.
         self.waiting = False
         # StreamConsume: the leases sent on this stream, which it alone may settle,
@@ -89,10 +95,15 @@ class Consumer:
         self.stream_leases: dict[bytes, Lease] | None = {} if owns_settlement else None
 
     @property
+    def held_bytes(self) -> int:
+        """Bytes of messages not yet sent: buffered, or in the frame being written."""
+        return self.buffered_bytes + self.sending_bytes
+
+    @property
     def has_room(self) -> bool:
         return (
             self.unsettled < self.capacity
-            and self.buffered_bytes < self.max_buffered_bytes
+            and self.buffered_bytes + self.sending_bytes < self.max_buffered_bytes
             and self._closed_with is None
         )
 
@@ -112,7 +123,9 @@ class Consumer:
             waiter.set_result(True)
 
     def take(self, limit: int) -> list[tuple[Lease, bytes]]:
-        """Up to `limit` buffered deliveries, oldest first; raises the close reason if closed."""
+        """Up to `limit` buffered deliveries, oldest first, for the next frame; raises
+        the close reason if closed. Their bytes stay counted (stream and budget) until
+        `sent`: the frame is in the broker until gRPC has written it."""
         if self._closed_with is not None:
             raise self._closed_with
         buffer = self._buffer
@@ -125,8 +138,14 @@ class Consumer:
             taken = [buffer.popleft() for _ in range(limit)]
         size = sum(len(record) for _, record in taken)
         self.buffered_bytes -= size
-        self.budget.bytes -= size
+        self.sending_bytes += size
         return taken
+
+    def sent(self) -> None:
+        """The frame of what `take` returned was written, or never will be: its bytes
+        leave the stream's count and the budget."""
+        self.budget.bytes -= self.sending_bytes
+        self.sending_bytes = 0
 
     async def wait(self, timeout_s: float) -> bool:
         """Waits for a delivery or for close; False if `timeout_s` passed with neither.
@@ -155,7 +174,8 @@ class Consumer:
             waiter.set_result(True)
 
     def release_unsent(self) -> list[Lease]:
-        """Empties the buffer; returns the leases whose messages were never sent."""
+        """Empties the buffer; returns the leases whose messages were never sent. (A
+        frame being written is released by `sent`, once its write returns.)"""
         unsent = [lease for lease, _ in self._buffer]
         self._buffer.clear()
         self.budget.bytes -= self.buffered_bytes
@@ -196,10 +216,11 @@ class ConsumerRing:
         """The next consumer with room and nothing buffered, brought to the head, or
         None. While the broker-wide buffer budget is spent, only such consumers are
         served (see `Delivery.pump`): streams that send what they get, not those
-        whose buffers stand still. Scans the ring, but only while the budget is spent."""
+        whose buffers stand still (nor a frame gRPC cannot write). Scans the ring, but
+        only while the budget is spent."""
         waiting = self._waiting
         for _ in range(len(waiting)):
-            if waiting[0].buffered_bytes == 0:
+            if waiting[0].held_bytes == 0:
                 return waiting[0]
             waiting.rotate(-1)
         return None

@@ -6,7 +6,7 @@ tokens. A key whose head is throttled is parked and the queue is woken when its
 tokens can be there. A delivery reads the stored record from storage and buffers
 it for the consumer's stream; the stream takes what is buffered (up to its
 `max_batch`), `sending` records those leases (one WAL append per frame) and
-returns the frame to write.
+returns the frame to write, and `sent` gives its bytes back once the write returns.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ class Delivery:
             return None
         queue = self.broker.queues.get(consumer.queue_name)
         if queue is None:
+            self.sent(consumer)
             return None
         live = queue.leases.sent(lease for lease, _ in taken)
         now = self.broker.clock.now_ms()
@@ -106,17 +107,26 @@ class Delivery:
         if len(live) != len(taken):
             active = {id(lease) for lease in live}
             taken = [item for item in taken if id(item[0]) in active]
-        if queue.consumers.room_freed(consumer) or (
-            self._buffers_blocked and consumer.waiting and not consumer.buffered_bytes
-        ):  # with the budget spent, a stream that sent all it had is served again
-            self.broker.mark_dirty(queue)
-        self.buffers_released()
         if not taken:
+            self.sent(consumer)
             return None
         if consumer.max_batch > 1:
             return batch_frame((record, lease.leased_at_ms) for lease, record in taken)
         lease, record = taken[0]
         return single_frame(record, lease.leased_at_ms)
+
+    def sent(self, consumer: Consumer) -> None:
+        """The frame `sending` returned for `consumer` was written by gRPC (or will
+        never be: the call ended): its bytes are given back, and the stream may be
+        given more."""
+        consumer.sent()
+        queue = self.broker.queues.get(consumer.queue_name)
+        if queue is not None and (
+            queue.consumers.room_freed(consumer)
+            or (self._buffers_blocked and consumer.waiting and not consumer.held_bytes)
+        ):  # with the budget spent, a stream that sent all it had is served again
+            self.broker.mark_dirty(queue)
+        self.buffers_released()
 
     def pump(self, queue: Queue) -> None:
         """Leases ready messages to consumers with room, round-robin, in DRR order."""

@@ -252,17 +252,22 @@ class FilaService:
 
     async def _deliver(self, consumer: Consumer, context: Context) -> None:
         """Writes frames as the broker buffers deliveries; keepalives when idle.
-        Ends by raising the consumer's close reason."""
-        broker = self._broker
-        keepalive_s = broker.settings.keepalive_s
+        Ends by raising the consumer's close reason. A frame's messages count against
+        the stream's and the broker's buffer bytes until its write returns, which is
+        when gRPC has let it out to the client (see `fila.core.consumers`)."""
+        delivery = self._broker.delivery
+        keepalive_s = self._broker.settings.keepalive_s
         limit = consumer.max_batch
         while True:
-            frame = broker.delivery.sending(consumer, limit)
+            frame = delivery.sending(consumer, limit)
             if frame is None:
                 if not await consumer.wait(keepalive_s):
                     await context.write(KEEPALIVE_FRAME)
                 continue
-            await context.write(frame)
+            try:
+                await context.write(frame)
+            finally:
+                delivery.sent(consumer)
 
     # -- settlement ----------------------------------------------------------------
 

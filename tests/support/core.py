@@ -58,7 +58,9 @@ class CoreBroker:
         from fila.v1 import service_pb2 as s
 
         ids: list[str] = []
-        while (frame := self.broker.delivery.sending(consumer, consumer.max_batch)) is not None:
+        delivery = self.broker.delivery
+        while (frame := delivery.sending(consumer, consumer.max_batch)) is not None:
+            delivery.sent(consumer)  # written at once: the client reads
             response = s.ConsumeResponse.FromString(frame)
             ids += [m.id for m in response.messages] or [response.message.id]
         return ids

@@ -144,6 +144,10 @@ class RawH2Connection:
     _stream_windows: dict[int, int] = field(default_factory=dict)
     _peer_initial_window: int = DEFAULT_WINDOW
     _peer_max_frame: int = DEFAULT_MAX_FRAME
+    # gRPC messages received per stream, and the start of the next one. (DATA frames
+    # are kept in `frames` without their payload: it is here.)
+    _messages: dict[int, list[bytes]] = field(default_factory=dict)
+    _partial: dict[int, bytearray] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.sock = socket.create_connection((self.host, self.port), timeout=5)
@@ -236,17 +240,7 @@ class RawH2Connection:
 
     def answers(self, stream_id: int) -> list[bytes]:
         """The gRPC messages received on `stream_id` so far, in order."""
-        data = b"".join(
-            f.payload for f in self.frames if f.kind == DATA and f.stream_id == stream_id
-        )
-        messages, offset = [], 0
-        while offset + 5 <= len(data):
-            length = struct.unpack(">I", data[offset + 1 : offset + 5])[0]
-            if offset + 5 + length > len(data):
-                break
-            messages.append(data[offset + 5 : offset + 5 + length])
-            offset += 5 + length
-        return messages
+        return self._messages.get(stream_id, [])
 
     def ended(self, stream_id: int) -> bool:
         """Whether the broker ended the call (its trailers, or a reset)."""
@@ -294,6 +288,9 @@ class RawH2Connection:
             payload = bytes(buf[9 : 9 + length])
             del buf[: 9 + length]
             now = time.monotonic()
+            if kind == DATA:
+                self._received(sid, payload)
+                payload = b""
             self.frames.append(Frame(now, kind, flags, sid, payload))
             if kind == SETTINGS and not flags & FLAG_ACK:
                 self._peer_settings(payload)
@@ -310,6 +307,17 @@ class RawH2Connection:
             elif kind == GOAWAY and self.goaway is None:
                 last, code = struct.unpack(">II", payload[:8])
                 self.goaway = GoAway(now, last & 0x7FFFFFFF, code, payload[8:])
+
+    def _received(self, stream_id: int, data: bytes) -> None:
+        partial = self._partial.setdefault(stream_id, bytearray())
+        partial += data
+        messages = self._messages.setdefault(stream_id, [])
+        while len(partial) >= 5:
+            length = struct.unpack(">I", partial[1:5])[0]
+            if len(partial) < 5 + length:
+                return
+            messages.append(bytes(partial[5 : 5 + length]))
+            del partial[: 5 + length]
 
     def _peer_settings(self, payload: bytes) -> None:
         for offset in range(0, len(payload) - 5, 6):
