@@ -16,6 +16,7 @@ import logging
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from fila.core import stored
 from fila.core.errors import (
     ConfigKeyNotFound,
     InvalidArgument,
@@ -249,7 +250,8 @@ class Administration:
         """Moves up to `count` (0 = all) ready DLQ messages back, re-running on_enqueue.
 
         Every record is read and every decision made before anything moves, so a
-        failure (an unreadable record) leaves both queues as they were."""
+        failure (a read error, a hook) leaves both queues as they were. A record that
+        does not decode is set aside (`fila.core.quarantine`), not moved."""
         self.broker.check_open()
         dlq = self.broker.queue(dlq_name)
         source_name = dlq.record.dlq_of
@@ -258,12 +260,18 @@ class Administration:
         source = self.broker.queue(source_name)
         ready = dlq.drr.ready_count
         wanted = min(count, ready) if count > 0 else ready  # any uint64 count is valid
-        planned: list[tuple[MessageRef, bytes]] = []
+        # (the message as it moves back, its new record), or (the message, its stored
+        # record, why it does not decode) for one that is set aside instead
+        planned: list[tuple[MessageRef, bytes, str | None]] = []
         for ref in itertools.islice(dlq.drr.iter_ready(), wanted):
             record = self.broker.read_record(ref.key)
             if record is None:
                 raise InvalidArgument(f"dead-lettered message {ref.id} has no stored record")
-            message = messages_pb2.Message.FromString(record)
+            try:
+                message = stored.decode_message(ref.key, record)
+            except stored.BadRecord as exc:
+                planned.append((ref, record, str(exc)))
+                continue
             decision = self.broker.decide_enqueue(source, message.headers, len(message.payload))
             metadata = message.metadata
             metadata.fairness_key = decision.fairness_key
@@ -275,14 +283,20 @@ class Administration:
             moved = MessageRef(
                 ref.key, decision.fairness_key, decision.weight, decision.throttle_keys, 0
             )
-            planned.append((moved, message.SerializeToString()))
+            planned.append((moved, stored.rebuild_message(message), None))
         taken = dlq.drr.take(len(planned))
-        assert [r.key for r in taken] == [m.key for m, _ in planned], "redrive order changed"
-        for moved, record in planned:
-            self.broker.committer.put(moved.key, record)
-        self.broker.ready_after_commit(source, [moved for moved, _ in planned], fresh=True)
-        source.counters.redriven += len(planned)
-        return len(planned), self.broker.committer.flushed()
+        assert [r.key for r in taken] == [m.key for m, _, _ in planned], "redrive order changed"
+        committer = self.broker.committer
+        moved_refs: list[MessageRef] = []
+        for moved, record, bad in planned:
+            if bad is not None:
+                self.broker.quarantine.set_aside(committer, moved.key, record, bad)
+                continue
+            committer.put(moved.key, record)
+            moved_refs.append(moved)
+        self.broker.ready_after_commit(source, moved_refs, fresh=True)
+        source.counters.redriven += len(moved_refs)
+        return len(moved_refs), committer.flushed()
 
     def peek(
         self, queue_name: str, limit: int, after_id: str, fairness_key: str
@@ -311,7 +325,16 @@ class Administration:
                 more = True
                 break
             size += len(record)
-            message = messages_pb2.Message.FromString(record)
+            try:
+                message = stored.decode_message(ref.key, record)
+            except stored.BadRecord as exc:
+                # Peek changes nothing; the record is set aside when it is next
+                # settled, redriven, or at the next start.
+                log.error(
+                    "peek skipped a stored record that does not decode",
+                    extra={"queue": queue.name, "message_id": ref.id, "reason": str(exc)},
+                )
+                continue
             lease = queue.leases.get(ref.key)
             if lease is not None:
                 message.timestamps.leased_at.FromMilliseconds(lease.leased_at_ms)

@@ -31,6 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fila.config import Config
+from fila.core import stored
 from fila.core.administration import Administration
 from fila.core.clock import Clock
 from fila.core.consumers import BufferBudget
@@ -45,6 +46,7 @@ from fila.core.errors import (
     Unavailable,
 )
 from fila.core.ids import IdGenerator, parse_id
+from fila.core.quarantine import Quarantine
 from fila.core.queue import MAX_VISIBILITY_TIMEOUT_MS, Queue, validate_queue_name
 from fila.core.records import Lease, MessageRef
 from fila.core.runtime_config import RuntimeConfig
@@ -54,7 +56,7 @@ from fila.lua.hooks import DEFAULT_ENQUEUE, DEFAULT_FAILURE, EnqueueDecision, Lu
 from fila.storage import keys
 from fila.storage.backend import Storage, StorageError
 from fila.storage.committer import Committer
-from fila.v1 import messages_pb2, service_pb2
+from fila.v1 import service_pb2
 
 log = logging.getLogger("fila.broker")
 
@@ -129,6 +131,7 @@ class Broker:
         self.timers = Timers(clock, _timer_subject_is_live, loop_driven=loop_driven_timers)
         self.ids = IdGenerator(clock)
         self.buffers = BufferBudget(settings.total_buffer_bytes)
+        self.quarantine = Quarantine()
         self._encoder = RecordEncoder()
         self._throttle_tuples: dict[tuple[str, ...], tuple[str, ...]] = {}
         self._dirty: set[Queue] = set()
@@ -405,8 +408,15 @@ class Broker:
             if not lease.sent:
                 self.return_unsent(queue, lease)
                 continue
+            try:
+                self._fail(queue, lease, "visibility timeout expired", run_hook=False)
+            except Exception:  # one lease's failure must not strand the rest of its bucket
+                log.exception(
+                    "a lease could not expire",
+                    extra={"queue": queue.name, "message_id": lease.ref.id},
+                )
+                continue
             queue.counters.expired += 1
-            self._fail(queue, lease, "visibility timeout expired", run_hook=False)
 
     def return_unsent(self, queue: Queue, lease: Lease) -> None:
         """A leased message never reached its consumer: back to ready, no attempt counted."""
@@ -424,12 +434,25 @@ class Broker:
         """A delivery failed: count the attempt, then retry now, later, or dead-letter.
 
         Everything that can fail (reading the record, the hook) happens before
-        anything changes, so a failure here leaves the lease as it was."""
+        anything changes, so a failure here leaves the lease as it was. A record that
+        is missing, or reads back but does not decode, cannot be retried or
+        dead-lettered: the lease ends, and the record is set aside
+        (`fila.core.quarantine`)."""
         ref = lease.ref
         record = self.read_record(ref.key)
-        if record is None:
-            raise Unavailable(f"message {ref.id} has no stored record; the broker is stopping")
-        message = messages_pb2.Message.FromString(record)
+        if record is None:  # lost: nothing to retry or dead-letter
+            queue.leases.end(lease)
+            log.error(
+                "a leased message has no stored record; its lease ended",
+                extra={"queue": queue.name, "message_id": ref.id},
+            )
+            return
+        try:
+            message = stored.decode_message(ref.key, record)
+        except stored.BadRecord as exc:
+            queue.leases.end(lease)
+            self.quarantine.set_aside(self.committer, ref.key, record, str(exc))
+            return
         attempts = ref.attempt_count + 1
         decision = DEFAULT_FAILURE
         hooks = queue.hooks
@@ -444,7 +467,7 @@ class Broker:
         message.metadata.attempt_count = attempts
         if dlq is not None:
             message.metadata.queue_id = dlq.name
-        self.committer.put(ref.key, message.SerializeToString())
+        self.committer.put(ref.key, stored.rebuild_message(message))
         if dlq is not None:
             queue.counters.dead_lettered += 1
             self.ready_after_commit(dlq, [ref], fresh=False)

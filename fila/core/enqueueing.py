@@ -1,12 +1,16 @@
 """What an enqueue stores: limit checks and the encoding of a new message record.
 
-The stored record is a serialized `fila.v1.Message`. `EnqueueRequest` shares its
-field numbers for `headers` (2) and `payload` (3) with `Message`, so the record
-is the request's own serialization (with `queue` and `delay_ms` cleared) followed
-by the id (1), metadata (4) and enqueue time (5), encoded by hand and cached:
-most messages of a batch share their queue, fairness key and millisecond. That
-keeps the per-message work of a batch to one C-level serialization and a few
-byte concatenations, instead of building and serializing a `Message` object.
+The stored record is a serialized `fila.v1.Message`, built by the broker from
+fields it parsed and checked, never the bytes a client sent: a client could
+otherwise smuggle fields under numbers the request does not use but the record
+does (`Message.metadata` is field 4, `EnqueueRequest.delay_ms` too), or data no
+limit counts. `EnqueueRequest` shares its field numbers for `headers` (2) and
+`payload` (3) with `Message`, so the record starts with protobuf's serialization
+of the parsed request after everything else is dropped (unknown fields, `queue`
+and `delay_ms`), followed by the id (1), metadata (4) and enqueue time (5),
+encoded by hand and cached: most messages of a batch share their queue, fairness
+key and millisecond. That keeps the per-message work of a batch to C-level calls
+and a few byte concatenations, instead of building and serializing a `Message`.
 """
 
 from __future__ import annotations
@@ -96,7 +100,9 @@ class RecordEncoder:
         queue: str,
         now_ms: int,
     ) -> bytes:
-        """The record for `request`; clears its `queue` and `delay_ms` (read them first)."""
+        """The record for `request`; clears its `queue`, `delay_ms` and any field this
+        broker does not know (read what you need first)."""
+        request.DiscardUnknownFields()
         request.ClearField("queue")
         request.ClearField("delay_ms")
         body = request.SerializeToString()

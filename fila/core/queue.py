@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 
 from fila.core.consumers import ConsumerRing
 from fila.core.drr import Drr, FairnessKey
@@ -64,7 +64,24 @@ class QueueRecord:
 
     @classmethod
     def decode(cls, raw: bytes) -> QueueRecord:
-        return cls(**json.loads(raw))
+        """The stored record; raises ValueError unless every field has its type.
+
+        Keys this version does not know are ignored (a later version's additions)."""
+        stored = json.loads(raw)
+        if not isinstance(stored, dict):
+            raise ValueError("a queue record is a JSON object")
+        values: dict[str, object] = {}
+        for spec in fields(cls):
+            if spec.name not in stored:
+                if spec.default is MISSING:
+                    raise ValueError(f"a queue record needs {spec.name!r}")
+                continue
+            value = stored[spec.name]
+            expected = str if spec.default is MISSING else type(spec.default)
+            if type(value) is not expected:
+                raise ValueError(f"{spec.name!r} is {value!r}, not a {expected.__name__}")
+            values[spec.name] = value
+        return cls(**values)  # type: ignore[arg-type]
 
 
 class Queue:

@@ -11,11 +11,14 @@ now (`_within_length`). Scanning messages in key order, which is UUIDv7 order,
 rebuilds each fairness key's FIFO order and so the DRR rings; deficits start at zero.
 
 Nothing is deleted because something else could not be read. Every scan either
-reads everything or raises `CorruptionError` (see `fila.storage.backend`), and a
-record that does not decode is corruption too: the broker then refuses to start
-and names what is damaged. A message whose queue does not exist is left where it
-is and reported, never deleted: no normal operation produces one (a queue's
-messages are deleted in the same atomic batch as the queue), so it means damage.
+reads everything or raises `CorruptionError` (see `fila.storage.backend`: storage
+that fails its checksums stops the start, and `fila-server --repair` salvages it).
+A record that reads back but does not decode is set aside whole
+(`fila.core.quarantine`), logged and counted, and the broker starts without it:
+one bad record must not keep every good one offline. A message whose queue does
+not exist is left where it is and reported, never deleted: no normal operation
+produces one (a queue's messages are deleted in the same atomic batch as the
+queue), so it means damage.
 A dead-letter queue whose queue does not exist is such damage too (a queue and its
 DLQ are created and deleted together): it is restored as the ordinary queue it is,
 with its messages, and reported; creating its queue again adopts it, and deleting
@@ -32,19 +35,15 @@ alone, so every later step can go by the name.
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, field, replace
 
-from google.protobuf.message import DecodeError
-
+from fila.core import stored
 from fila.core.administration import dlq_record
 from fila.core.broker import Broker
 from fila.core.queue import QueueRecord
 from fila.core.records import MessageRef
 from fila.storage import keys
-from fila.storage.backend import CorruptionError
-from fila.v1 import messages_pb2
 from fila.wire import dlq_owner
 
 log = logging.getLogger("fila.recovery")
@@ -63,6 +62,8 @@ class RecoveryReport:
     # (queue, the dlq_of its record stored) for records whose link disagreed with the name
     relinked_queues: list[tuple[str, str]] = field(default_factory=list)
     stale_side_records: int = 0
+    # records set aside by this start because they do not decode (see fila.core.quarantine)
+    quarantined: int = 0
 
 
 def _linked(record: QueueRecord, records: dict[str, QueueRecord]) -> QueueRecord:
@@ -100,19 +101,25 @@ def _within_length(end_ms: int, start_ms: int, now_ms: int) -> tuple[int, int]:
 
 def recover(broker: Broker) -> RecoveryReport:
     storage, committer = broker.storage, broker.committer
+    quarantine = broker.quarantine
+    quarantine.count = sum(1 for _ in storage.scan(keys.QUARANTINE))
+    set_aside_before = quarantine.count
     report = RecoveryReport()
     # Config first: a queue's scripts run as they load and may read it (`fila.get`).
     for raw_key, raw_value in storage.scan(keys.CONFIG):
         try:
-            broker.admin.restore_config(keys.config_name_from_key(raw_key), raw_value.decode())
-        except UnicodeDecodeError:
-            raise CorruptionError(f"config record {raw_key[:64]!r} is not UTF-8") from None
+            name, text = stored.decode_config(raw_key, raw_value)
+        except stored.BadRecord as exc:
+            quarantine.set_aside(committer, raw_key, raw_value, str(exc))
+            continue
+        broker.admin.restore_config(name, text)
     records: dict[str, QueueRecord] = {}
     for raw_key, raw_queue in storage.scan(keys.QUEUE):
         try:
-            record = QueueRecord.decode(raw_queue)
-        except (ValueError, TypeError, json.JSONDecodeError) as exc:
-            raise CorruptionError(f"queue record {raw_key[:64]!r} does not decode: {exc}") from None
+            record = stored.decode_queue(raw_key, raw_queue)
+        except stored.BadRecord as exc:
+            quarantine.set_aside(committer, raw_key, raw_queue, str(exc))
+            continue
         records[record.name] = record
     for record in records.values():
         linked = _linked(record, records)
@@ -143,24 +150,35 @@ def recover(broker: Broker) -> RecoveryReport:
         if q.record.dlq_of and q.record.dlq_of not in broker.queues
     ]
 
-    leases = {
-        keys.message_key_from_side_key(k): keys.decode_lease(v) for k, v in storage.scan(keys.LEASE)
-    }
-    dues = {
-        keys.message_key_from_side_key(k): keys.decode_due(v) for k, v in storage.scan(keys.DELAY)
-    }
+    leases: dict[bytes, tuple[int, int]] = {}
+    for side_key, value in storage.scan(keys.LEASE):
+        try:
+            leases[keys.message_key_from_side_key(side_key)] = stored.decode_lease(value)
+        except stored.BadRecord as exc:
+            quarantine.set_aside(committer, side_key, value, str(exc))
+    dues: dict[bytes, int] = {}
+    for side_key, value in storage.scan(keys.DELAY):
+        try:
+            dues[keys.message_key_from_side_key(side_key)] = stored.decode_due(value)
+        except stored.BadRecord as exc:
+            quarantine.set_aside(committer, side_key, value, str(exc))
     now = broker.clock.now_ms()
     last_key = b""
-    for key, stored in storage.scan(keys.MESSAGE):
+    for key, raw in storage.scan(keys.MESSAGE):
         last_key = key
-        try:
-            message = messages_pb2.Message.FromString(stored)
-        except DecodeError as exc:
-            raise CorruptionError(f"message record {key.hex()} does not decode: {exc}") from None
-        meta = message.metadata
-        queue = broker.queues.get(meta.queue_id)
         lease = leases.pop(key, None)
         due = dues.pop(key, None)
+        try:
+            message = stored.decode_message(key, raw)
+        except stored.BadRecord as exc:
+            quarantine.set_aside(committer, key, raw, str(exc))
+            if lease is not None:
+                committer.delete(keys.lease_key(key))
+            if due is not None:
+                committer.delete(keys.delay_key(key))
+            continue
+        meta = message.metadata
+        queue = broker.queues.get(meta.queue_id)
         if queue is None:
             report.orphans += 1
             continue
@@ -180,7 +198,7 @@ def recover(broker: Broker) -> RecoveryReport:
                 continue
             ref.attempt_count += 1
             meta.attempt_count = ref.attempt_count
-            committer.put(key, message.SerializeToString())
+            committer.put(key, stored.rebuild_message(message))
             committer.delete(keys.lease_key(key))
             report.expired += 1
         elif due is not None:
@@ -192,6 +210,7 @@ def recover(broker: Broker) -> RecoveryReport:
             continue
         queue.drr.push(ref, fresh=True)
         report.ready += 1
+    report.quarantined = quarantine.count - set_aside_before
     if last_key:
         broker.ids.advance_past(last_key[1:])
     for key in (*leases, *dues):  # side records whose message was deleted: useless alone
@@ -208,6 +227,8 @@ def recover(broker: Broker) -> RecoveryReport:
             "leased": report.leased,
             "expired": report.expired,
             "delayed": report.delayed,
+            "quarantined": report.quarantined,
+            "quarantined_in_all": quarantine.count,
         },
     )
     if report.orphans:

@@ -8,6 +8,11 @@ heap is rebuilt from live entries whenever it doubles.
 
 With `loop_driven=False` nothing is armed on the event loop: whoever drives the
 clock (a test on a `ManualClock`) calls `run_due()` after moving time.
+
+A callback that raises is a bug, but it must not take the timers with it: the
+error is logged with its traceback and counted (`failures`), the entries after it
+still run, and the next one is armed, so one bad lease cannot leave every later
+deadline of the broker unserved.
 """
 
 from __future__ import annotations
@@ -15,10 +20,13 @@ from __future__ import annotations
 import asyncio
 import heapq
 import itertools
+import logging
 from collections.abc import Callable
 from typing import Any
 
 from fila.core.clock import Clock
+
+log = logging.getLogger("fila.timers")
 
 _MIN_COMPACT = 10_000
 
@@ -35,6 +43,7 @@ class Timers:
         self._seq = itertools.count()
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for: int | None = None
+        self.failures = 0
 
     def at(self, when_ms: int, callback: Callable[[Any], None], arg: Any) -> None:
         heapq.heappush(self._heap, (when_ms, next(self._seq), callback, arg))
@@ -61,7 +70,14 @@ class Timers:
         heap = self._heap
         while heap and heap[0][0] <= now:
             _, _, callback, arg = heapq.heappop(heap)
-            callback(arg)
+            try:
+                callback(arg)
+            except Exception:
+                self.failures += 1
+                log.exception(
+                    "a timer callback failed; the timers carry on",
+                    extra={"callback": getattr(callback, "__qualname__", repr(callback))},
+                )
 
     def _compact(self) -> None:
         is_live = self._is_live
@@ -85,5 +101,7 @@ class Timers:
     def _fire(self) -> None:
         self._handle = None
         self._armed_for = None
-        self.run_due()
-        self._arm()
+        try:
+            self.run_due()
+        finally:
+            self._arm()

@@ -49,6 +49,7 @@ from fila.config import Config, ConfigError, default_config_text, load_config
 from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import SteadyClock
 from fila.core.errors import BrokerError
+from fila.core.quarantine import describe, sweep
 from fila.core.recovery import recover
 from fila.server import admin, service
 from fila.server.auth import auth_interceptors, load_keyring
@@ -445,8 +446,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--repair",
         action="store_true",
-        help="rebuild a damaged data directory from what is still readable, then exit "
+        help="rebuild a damaged data directory from what is still readable, set aside "
+        "records that do not decode, list what is set aside, then exit "
         "(see 'Damaged data' in docs/operations.md)",
+    )
+    parser.add_argument(
+        "--drop-quarantined",
+        action="store_true",
+        help="with --repair: delete the records set aside because they do not decode",
     )
     parser.add_argument("--version", action="version", version=f"fila-server {__version__}")
     args = parser.parse_args(argv)
@@ -462,8 +469,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"fila-server: configuration OK ({source or 'built-in defaults'})")
         return ExitCode.OK
     configure_logging(level, config.telemetry.log_format)
+    if args.drop_quarantined and not args.repair:
+        return _fail("--drop-quarantined goes with --repair", ExitCode.BAD_CONFIG)
     if args.repair:
-        return _repair(Path(config.storage.data_dir))
+        return _repair(Path(config.storage.data_dir), drop_quarantined=args.drop_quarantined)
     _install_startup_signals()
     log.info("config loaded", extra={"source": str(source or "built-in defaults")})
     try:
@@ -477,8 +486,9 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(sig, signal.SIG_IGN)
 
 
-def _repair(data_dir: Path) -> int:
-    """Salvages a damaged data directory (see `fila.storage.salvage`) and reports."""
+def _repair(data_dir: Path, *, drop_quarantined: bool) -> int:
+    """Salvages a damaged data directory (see `fila.storage.salvage`), sets aside the
+    records that do not decode (`fila.core.quarantine.sweep`), and reports both."""
     if not (data_dir / "db").exists():
         return _fail(f"{data_dir} holds no database to repair", ExitCode.STARTUP_FAILED)
     try:
@@ -517,6 +527,27 @@ def _repair(data_dir: Path) -> int:
         print(
             f"fila-server: skipped {piece.bytes} unreadable bytes of the write-ahead log "
             f"{piece.file} at offset {piece.offset} ({piece.reason}): {consequence}"
+        )
+    return _sweep(data_dir, drop_quarantined=drop_quarantined)
+
+
+def _sweep(data_dir: Path, *, drop_quarantined: bool) -> int:
+    try:
+        storage = open_storage(data_dir, direct_io=False)
+    except StartupError as exc:
+        return _fail(str(exc), exc.code)
+    try:
+        swept = sweep(storage, drop=drop_quarantined)
+    finally:
+        storage.close()
+    for key, reason in swept.set_aside:
+        print(f"fila-server: set aside {describe(key)}: {reason}")
+    if swept.dropped:
+        print(f"fila-server: deleted the {swept.dropped} record(s) set aside (--drop-quarantined)")
+    elif swept.held:
+        print(
+            f"fila-server: {swept.held} record(s) that do not decode are set aside, not served; "
+            "--repair --drop-quarantined deletes them"
         )
     return ExitCode.OK
 

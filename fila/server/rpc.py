@@ -74,13 +74,18 @@ BAD_REQUESTS = BadRequestLog()
 
 
 def parser(cls: type[Req]) -> Callable[[bytes], Req | BadRequest]:
+    """A request deserializer that never raises, and keeps only the fields `cls`
+    defines: what a handler stores, forwards to another node or echoes is built from
+    parsed fields, never carried along from the client's bytes."""
     name = cls.__name__
 
     def parse(raw: bytes) -> Req | BadRequest:
         try:
-            return cls.FromString(raw)
+            request = cls.FromString(raw)
         except (DecodeError, UnicodeDecodeError, ValueError) as exc:
             return BadRequest(name, str(exc).splitlines()[0][:200] or type(exc).__name__)
+        request.DiscardUnknownFields()
+        return request
 
     return parse
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
@@ -33,6 +34,8 @@ from fila.storage.backend import StorageError
 from fila.v1 import service_pb2
 
 SERVICE_NAME = "fila.v1.FilaService"
+
+log = logging.getLogger("fila.server")
 
 
 class _StreamDone(BrokerError):
@@ -232,6 +235,14 @@ class FilaService:
                     settle(request)
             except BrokerError as exc:
                 consumer.close(exc)
+                return
+            except Exception as exc:
+                # A bug, not the client's doing; never die silently: the stream ends
+                # with INTERNAL (its leases go back) and the traceback is logged.
+                log.exception("a StreamConsume settlement failed", extra={"queue": queue_name})
+                consumer.close(
+                    BrokerError(f"the broker failed to apply a settlement: {exc!r}"[:300])
+                )
                 return
             consumer.close(_StreamDone("stream closed by the client"))
 

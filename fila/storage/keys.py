@@ -19,6 +19,8 @@ fairness key.
     a<api key id utf-8>   -> ACL JSON: [[kind, pattern], ...]; absent = no permissions
     N<name utf-8>         -> cluster identity of this data directory (cluster mode only,
                              see fila.cluster.identity): `node_id` and `lease`, decimal
+    X<original key>       -> a record that did not decode, set aside as it was stored
+                             (see fila.core.quarantine); nothing reads it but an operator
 
 Messages are keyed by id alone, not by queue, so dead-lettering and redrive
 rewrite one value in place instead of moving it between keys.
@@ -53,6 +55,7 @@ CONFIG: Final = b"c"
 API_KEY: Final = b"k"
 ACL: Final = b"a"
 NODE: Final = b"N"
+QUARANTINE: Final = b"X"
 
 # The tags of an older layout, each with the tag its records now live under.
 LEGACY_TAGS: Final = {b"q": QUEUE, b"n": NODE}
@@ -111,11 +114,22 @@ def node_key(name: str) -> bytes:
     return NODE + name.encode()
 
 
+def quarantine_key(original: bytes) -> bytes:
+    return QUARANTINE + original
+
+
+def original_from_quarantine_key(key: bytes) -> bytes:
+    return key[1:]
+
+
 def encode_lease(deadline_ms: int, leased_at_ms: int) -> bytes:
     return _TWO_U64.pack(deadline_ms, leased_at_ms)
 
 
 def decode_lease(value: bytes) -> tuple[int, int]:
+    """Raises ValueError for a value that is not a lease."""
+    if len(value) != _TWO_U64.size:
+        raise ValueError(f"a lease record is {_TWO_U64.size} bytes, this one {len(value)}")
     deadline_ms, leased_at_ms = _TWO_U64.unpack(value)
     return int(deadline_ms), int(leased_at_ms)
 
@@ -125,6 +139,9 @@ def encode_due(due_ms: int) -> bytes:
 
 
 def decode_due(value: bytes) -> int:
+    """Raises ValueError for a value that is not a due time."""
+    if len(value) != _ONE_U64.size:
+        raise ValueError(f"a delay record is {_ONE_U64.size} bytes, this one {len(value)}")
     return int(_ONE_U64.unpack(value)[0])
 
 

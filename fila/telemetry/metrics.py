@@ -92,6 +92,7 @@ LUA_EXECUTIONS = "fila.lua.executions"
 THROTTLE_LIMITED = "fila.throttle.limited"
 DELIVERY_LATENCY = "fila.delivery.latency"
 FSYNC_DURATION = "fila.storage.fsync.duration"
+QUARANTINED = "fila.storage.quarantined"
 LUA_OUTCOMES = ("ok", "failed", "bypassed")
 
 # Descriptions shared by the OTLP instruments and the Prometheus exposition
@@ -110,6 +111,10 @@ DELIVERY_LATENCY_HELP = (
     "timestamp; includes any delay_ms; retries are not counted)"
 )
 FSYNC_DURATION_HELP = "Duration of each write-ahead-log fsync"
+QUARANTINED_HELP = (
+    "Stored records set aside because they do not decode (kept under their own keys, "
+    "listed by fila-server --repair)"
+)
 
 SCOPE = "fila"
 
@@ -154,6 +159,9 @@ class BrokerMetrics:
             unit="{delivery}",
             description=THROTTLE_LIMITED_HELP,
         )
+        meter.create_observable_gauge(
+            QUARANTINED, [self._quarantined], unit="{record}", description=QUARANTINED_HELP
+        )
 
     def _queues(self) -> list[Queue]:
         return list(self._broker.queues.values())
@@ -190,6 +198,9 @@ class BrokerMetrics:
     def _throttle_limited(self, _options: CallbackOptions) -> Iterable[Observation]:
         limited = self._broker.throttles.limited.copy()
         return [Observation(count, {"throttle_key": key}) for key, count in limited.items()]
+
+    def _quarantined(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(self._broker.quarantine.count, {})]
 
     # -- histograms ------------------------------------------------------------------
 

@@ -45,6 +45,8 @@ from fila.telemetry.metrics import (
     LUA_EXECUTIONS,
     LUA_EXECUTIONS_HELP,
     MESSAGE_COUNTERS,
+    QUARANTINED,
+    QUARANTINED_HELP,
     QUEUE_GAUGES,
     THROTTLE_LIMITED,
     THROTTLE_LIMITED_HELP,
@@ -221,6 +223,9 @@ class PrometheusExposition:
         out.lines(
             [f'{sample}{{{key}="{_label_value(k)}"}} {_count(n)}\n' for k, n in limited.items()]
         )
+
+        out.family(_prom(QUARANTINED), "gauge", QUARANTINED_HELP)
+        out.lines([f"{out.name(_prom(QUARANTINED))} {_count(self._broker.quarantine.count)}\n"])
 
         histogram = self._histogram(out, _prom(DELIVERY_LATENCY) + "_seconds", 1000)
         out.family(
