@@ -19,7 +19,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fila.config import Config
-from fila.server.main import ExitCode
+from fila.server.startup import ExitCode
 from fila.server.process import free_port
 
 REPO = Path(__file__).resolve().parent.parent
