@@ -763,6 +763,7 @@ def test_a_part_for_a_stream_that_ended_is_answered_instead_of_waiting_on_its_wr
     from fila.cluster.layout import NodeRecord
     from fila.cluster.peers import Link
     from fila.cluster.streams import StreamSplitter, _Pending, _Remote
+    from fila.server.owed import OwedAnswers, owed_bytes_bound
 
     class NeverWritten:
         async def write(self, raw: bytes) -> None:
@@ -772,14 +773,14 @@ def test_a_part_for_a_stream_that_ended_is_answered_instead_of_waiting_on_its_wr
         node = NodeRecord(1, "127.0.0.1:1", 0)
         remote = _Remote(node, Link(node, cast(Any, None)), cast(Any, NeverWritten()))
         remote.reader = asyncio.create_task(asyncio.sleep(0))  # ends, as on the cut
-        pending = _Pending(7, 1)
+        pending = _Pending(7, 1, OwedAnswers(owed_bytes_bound(1)))
         pending.missing = 1
         remote.parts[1] = (pending, [0], ["q"])
         splitter = StreamSplitter.__new__(StreamSplitter)
         await asyncio.wait_for(splitter._write(remote, b"part"), 5.0)
         assert pending.done.done() and remote.broken is not None
-        answer = pending.results[0]
-        assert answer is not None and "which is down" in answer.error.message
+        (answer,) = service_pb2.StreamEnqueueResponse.FromString(pending.answer).results
+        assert "which is down" in answer.error.message
 
     asyncio.run(scenario())
 

@@ -10,13 +10,11 @@ checks that everything owed arrives, in order.
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import grpc
 import pytest
-from support import ServerFactory, wait_until
+from support import ServerFactory, resident_bytes_of, settled, wait_until
 from support.cluster import Bearer
 from support.h2raw import RawH2Connection
 from support.stubs import RPC_TIMEOUT_S, Fila, connect
@@ -30,29 +28,7 @@ MIB = 1024 * 1024
 BOOT = "memory-bounds-bootstrap-key"
 STREAM_ENQUEUE = "/fila.v1.FilaService/StreamEnqueue"
 CONSUME = "/fila.v1.FilaService/Consume"
-QUIET_S = 0.6  # unchanged this long: the broker takes no more
 WITHIN_S = 30.0
-PAGE_BYTES = os.sysconf("SC_PAGE_SIZE")
-
-
-def rss(pid: int) -> int:
-    """The resident size of process `pid`, in bytes."""
-    with open(f"/proc/{pid}/statm", "rb") as statm:
-        return int(statm.read().split()[1]) * PAGE_BYTES
-
-
-def settled(read: Callable[[], int], quiet_s: float = QUIET_S, within: float = WITHIN_S) -> int:
-    """`read()` once it has not changed for `quiet_s` (the broker stopped taking more)."""
-    deadline = time.monotonic() + within
-    last, since = read(), time.monotonic()
-    while time.monotonic() - since < quiet_s:
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"still changing after {within}s (last value {last})")
-        time.sleep(0.05)
-        now = read()
-        if now != last:
-            last, since = now, time.monotonic()
-    return last
 
 
 @pytest.fixture
@@ -117,7 +93,7 @@ def test_a_stream_enqueue_that_never_reads_holds_its_failed_answers_as_bytes(
     def depth() -> int:
         return fila.stats("q").depth
 
-    before = rss(server.pid)
+    before = resident_bytes_of(server.pid)
     with RawH2Connection(server.host, server.port, receive_window=0).start() as client:
         streams = [1 + 2 * n for n in range(STREAMS)]
         for stream in streams:
@@ -129,7 +105,7 @@ def test_a_stream_enqueue_that_never_reads_holds_its_failed_answers_as_bytes(
             for stream in streams:
                 assert client.send_message(stream, request, within=10), "the broker read on"
         taken = settled(depth)
-        held = rss(server.pid) - before
+        held = resident_bytes_of(server.pid) - before
         assert taken < STREAMS * REQUESTS, "a stream that reads nothing is read no further"
         assert held < FAILED_BOUND, f"{held / MIB:.0f} MiB held for {taken} requests"
 
@@ -191,7 +167,7 @@ def test_consume_streams_that_never_read_hold_no_more_than_the_buffer_budget(
         def leased() -> int:
             return fila.stats("q").in_flight
 
-        before = rss(server.pid)
+        before = resident_bytes_of(server.pid)
         with RawH2Connection(server.host, server.port, receive_window=0).start() as client:
             streams = [1 + 2 * n for n in range(CONSUMERS)]
             request = service_pb2.ConsumeRequest(queue="q", prefetch=1000, max_batch=1000)
@@ -200,7 +176,7 @@ def test_consume_streams_that_never_read_hold_no_more_than_the_buffer_budget(
                 assert client.send_message(stream, request.SerializeToString(), within=10)
                 client.end_requests(stream)
             held = settled(leased)
-            grown = rss(server.pid) - before
+            grown = resident_bytes_of(server.pid) - before
             assert grown < CONSUMED_BOUND, f"{grown / MIB:.0f} MiB held for {held} messages"
             assert held * PAYLOAD <= LEASED_BOUND, f"{held} messages leased"
 

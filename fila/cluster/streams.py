@@ -15,6 +15,15 @@ fails those parts with OwnerDown at once, so the answers queued behind them go o
 A request's failure as a whole (over `server.max_batch_messages`) is its items' error,
 as on a single node; a revoked key ends the stream with UNAUTHENTICATED at its next
 request (`access.require_key`), as on a single node.
+
+The splitter owes the producer the answers to every request it took, wherever their
+parts went, so it holds the single node's bound (`fila.server.owed`): it reads no
+further while the answers it owes reach `owed_bytes_bound`. A request is counted
+from the moment it is taken as if each item will be stored (an id each), corrected
+as its parts are answered, and kept, once complete, as its encoded answer only. The
+local handler and the forwarding streams are fed only what the splitter took, so
+neither grows on its own: a producer that does not read is held back by HTTP/2 flow
+control as on a single node.
 """
 
 from __future__ import annotations
@@ -35,9 +44,10 @@ from fila.cluster.peers import Link, Peers, cut_off, is_forwarded, translate
 from fila.cluster.routing import LOCAL, Router, Target
 from fila.core.errors import BrokerError, InvalidArgument, Unavailable
 from fila.server import access, rpc
+from fila.server.owed import ANSWER_OVERHEAD_BYTES, OwedAnswers, owed_bytes_bound
 from fila.server.readers import Interrupted, StreamReaders
+from fila.server.results import ID_RESULT_BYTES, error_result, stream_answer, stream_answer_of
 from fila.server.rpc import BadRequest
-from fila.server.status import batch_error
 from fila.v1 import service_pb2
 
 log = logging.getLogger("fila.cluster")
@@ -48,27 +58,46 @@ METHOD = "/fila.v1.FilaService/StreamEnqueue"
 
 
 class _Pending:
-    """One request of the producer: its results, filled in by its parts; or, for a
-    request served here whole, the local handler's encoded answer as it is."""
+    """One request of the producer: its items' encoded results, filled in by its parts,
+    then (`done`) its encoded answer. Counted in the stream's owed answers: `counted`
+    bytes, first as if every item were stored, then as answered."""
 
-    __slots__ = ("done", "missing", "raw", "results", "sequence")
+    __slots__ = ("answer", "counted", "done", "missing", "owed", "results", "sequence")
 
-    def __init__(self, sequence: int, size: int) -> None:
+    def __init__(self, sequence: int, size: int, owed: OwedAnswers[_Pending]) -> None:
         self.sequence = sequence
-        self.results: list[service_pb2.EnqueueResult | None] = [None] * size
+        self.results: list[bytes] = [b""] * size
         self.missing = 0
-        self.raw: bytes | None = None
+        self.answer = b""
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.owed = owed
+        self.counted = ANSWER_OVERHEAD_BYTES + size * ID_RESULT_BYTES
+        owed.put(self, self.counted)
 
-    def fill(self, indexes: Sequence[int], results: Sequence[service_pb2.EnqueueResult]) -> None:
+    def fill(self, indexes: Sequence[int], results: Sequence[bytes]) -> None:
+        """Encoded `EnqueueResult`s for the items at `indexes`: one part answered."""
         for index, result in zip(indexes, results, strict=False):
             self.results[index] = result
+        self.recount(sum(map(len, results)) + 2 * len(results) - len(indexes) * ID_RESULT_BYTES)
         self.missing -= 1
-        if self.missing == 0 and not self.done.done():
-            self.done.set_result(None)
+        if self.missing == 0:
+            self.complete(stream_answer_of(self.sequence, self.results))
 
     def fail(self, indexes: Sequence[int], error: Callable[[int], BrokerError]) -> None:
-        self.fill(indexes, [_error_result(error(i)) for i in indexes])
+        self.fill(indexes, [error_result(error(i)) for i in indexes])
+
+    def complete(self, answer: bytes) -> None:
+        """The whole answer, encoded: only it is kept until written."""
+        if self.done.done():
+            return
+        self.answer = answer
+        self.results = []
+        self.recount(ANSWER_OVERHEAD_BYTES + len(answer) - self.counted)
+        self.done.set_result(None)
+
+    def recount(self, delta: int) -> None:
+        self.counted += delta
+        self.owed.grew(delta)
 
 
 # A part sent to the local handler: its request, its items, whether it is the whole one.
@@ -128,7 +157,7 @@ class StreamSplitter:
         self._local_parts: deque[_Part] = deque()  # the local handler answers in order
         self._local_task: asyncio.Task[None] | None = None
         self._remotes: dict[int, _Remote] = {}
-        self._pending_writes: asyncio.Queue[_Pending | None] = asyncio.Queue()
+        self._owed: OwedAnswers[_Pending] = OwedAnswers(owed_bytes_bound(max_batch))
 
     async def run(self, requests: AsyncIterator[Any]) -> None:
         self._forwarded = is_forwarded(self._context)
@@ -139,6 +168,10 @@ class StreamSplitter:
             while not writer.done():
                 try:
                     with self._readers.reading():
+                        if self._owed.full:
+                            await self._owed.room()
+                            if writer.done():
+                                break
                         request = await anext(iterator)
                 except StopAsyncIteration:
                     break
@@ -149,7 +182,8 @@ class StreamSplitter:
                     await rpc.refuse(request, "StreamEnqueue", self._context)
                 access.require_key()
                 await self._take(request)
-            self._pending_writes.put_nowait(None)
+                del request  # only its answer is kept while owed
+            self._owed.end()
             await self._finish_parts()
             await writer
             if stopping:
@@ -173,15 +207,13 @@ class StreamSplitter:
 
     async def _take(self, request: service_pb2.StreamEnqueueRequest) -> None:
         messages = request.messages
-        pending = _Pending(request.sequence_number, len(messages))
-        self._pending_writes.put_nowait(pending)
+        pending = _Pending(request.sequence_number, len(messages), self._owed)
         if len(messages) > self._max_batch:
             error = InvalidArgument(
                 f"a batch may carry at most {self._max_batch} messages "
                 f"(server.max_batch_messages), got {len(messages)}"
             )
-            pending.results = [_error_result(error)] * len(messages)
-            pending.done.set_result(None)
+            pending.complete(stream_answer(pending.sequence, [error] * len(messages)))
             return
         groups: dict[Target, list[int]] = {}
         failed: dict[int, BrokerError] = {}
@@ -189,10 +221,7 @@ class StreamSplitter:
         for index, message in enumerate(messages):
             target = targets.get(message.queue)
             if target is None:
-                try:
-                    target = await self._router.target(message.queue, forwarded=self._forwarded)
-                except BrokerError as exc:
-                    target = exc
+                target = await self._target(message.queue)
                 targets[message.queue] = target
             if isinstance(target, BrokerError):
                 failed[index] = target
@@ -200,7 +229,7 @@ class StreamSplitter:
                 groups.setdefault(target, []).append(index)
         pending.missing = len(groups) + (1 if failed else 0)
         if pending.missing == 0:
-            pending.done.set_result(None)
+            pending.complete(stream_answer(pending.sequence, []))
             return
         if failed:
             indexes = sorted(failed)
@@ -215,6 +244,13 @@ class StreamSplitter:
             else:
                 assert isinstance(target, NodeRecord)
                 await self._send_remote(target, pending, indexes, part)
+
+    async def _target(self, queue: str) -> Target | BrokerError:
+        """Where `queue`'s items go, or the error they get."""
+        try:
+            return await self._router.target(queue, forwarded=self._forwarded)
+        except BrokerError as exc:
+            return exc
 
     # -- the local part ------------------------------------------------------------------
 
@@ -237,16 +273,15 @@ class StreamSplitter:
     async def _run_local(self, requests: AsyncIterator[Any], context: Context) -> None:
         await self._inner(requests, context)
 
-    def _local_answer(self, response: service_pb2.StreamEnqueueResponse | bytes) -> None:
+    def _local_answer(self, response: bytes) -> None:
+        """The local handler's encoded answer to the next local part."""
         pending, indexes, whole = self._local_parts.popleft()
-        if whole and isinstance(response, bytes):  # the request's answer, as encoded
-            pending.raw = response
+        if whole:  # the request's answer, as encoded (the producer's sequence number)
             pending.missing = 0
-            pending.done.set_result(None)
+            pending.complete(response)
             return
-        if isinstance(response, bytes):  # the local handler encodes its answers itself
-            response = service_pb2.StreamEnqueueResponse.FromString(response)
-        pending.fill(indexes, response.results)
+        results = service_pb2.StreamEnqueueResponse.FromString(response).results
+        pending.fill(indexes, [result.SerializeToString() for result in results])
 
     # -- the remote parts ----------------------------------------------------------------
 
@@ -303,7 +338,7 @@ class StreamSplitter:
                 found = remote.parts.pop(response.sequence_number, None)
                 if found is not None:
                     pending, indexes, _queues = found
-                    pending.fill(indexes, response.results)
+                    pending.fill(indexes, [r.SerializeToString() for r in response.results])
         except grpc.aio.AioRpcError as exc:
             self._break(remote, _transport_error(exc, remote))
             return
@@ -324,22 +359,19 @@ class StreamSplitter:
             errors = [
                 OwnerDown(q, node_id) if isinstance(error, OwnerDown) else error for q in queues
             ]
-            pending.fill(indexes, [_error_result(e) for e in errors])
+            pending.fill(indexes, [error_result(e) for e in errors])
 
     # -- answers -------------------------------------------------------------------------
 
     async def _write_answers(self) -> None:
-        while (pending := await self._pending_writes.get()) is not None:
-            await pending.done
-            if pending.raw is not None:
-                await self._context.write(pending.raw)
-                continue
-            await self._context.write(
-                service_pb2.StreamEnqueueResponse(
-                    sequence_number=pending.sequence,
-                    results=[r for r in pending.results if r is not None],
-                )
-            )
+        owed = self._owed
+        try:
+            while (pending := await owed.get()) is not None:
+                await pending.done
+                await self._context.write(pending.answer)
+                owed.written(pending.counted)
+        finally:
+            owed.writer_ended()
 
     async def _finish_parts(self) -> None:
         """The producer closed its side: close ours, so every part gets its answer."""
@@ -365,10 +397,6 @@ async def _drain(
 ) -> AsyncIterator[service_pb2.StreamEnqueueRequest]:
     while (request := await source.get()) is not None:
         yield request
-
-
-def _error_result(error: BrokerError) -> service_pb2.EnqueueResult:
-    return service_pb2.EnqueueResult(error=batch_error(error))
 
 
 def _transport_error(exc: BaseException, remote: _Remote) -> BrokerError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from typing import TypeVar
@@ -50,7 +51,35 @@ async def until(predicate: Callable[[], object], what: str, within: float) -> No
         await asyncio.sleep(0.02)
 
 
-__all__ = ["ServerFactory", "ServerProcess", "until", "wait_until"]
+def settled(read: Callable[[], int], quiet_s: float = 0.6, within: float = 30.0) -> int:
+    """`read()` once it has stopped changing for `quiet_s` seconds (a broker that has
+    taken all it will take); raises `TimeoutError` if it still changes after `within`."""
+    deadline = time.monotonic() + within
+    last, since = read(), time.monotonic()
+    while time.monotonic() - since < quiet_s:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"still changing after {within}s (last value {last})")
+        time.sleep(0.05)
+        now = read()
+        if now != last:
+            last, since = now, time.monotonic()
+    return last
+
+
+def resident_bytes_of(pid: int) -> int:
+    """The resident size of process `pid`, in bytes (from /proc)."""
+    with open(f"/proc/{pid}/statm", "rb") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+__all__ = [
+    "ServerFactory",
+    "ServerProcess",
+    "resident_bytes_of",
+    "settled",
+    "until",
+    "wait_until",
+]
 
 
 # --- asyncio (grpc.aio) helpers -------------------------------------------------------
