@@ -1061,6 +1061,7 @@ def test_a_node_without_its_lease_serves_no_queue_even_one_etcd_does_not_place()
     while this node holds its lease; without it the node is fenced, as for its own."""
     from fila.cluster.errors import Fenced
     from fila.cluster.routing import LOCAL, Router
+    from fila.core.clock import ManualClock
 
     class Lease:
         serving = True
@@ -1070,7 +1071,7 @@ def test_a_node_without_its_lease_serves_no_queue_even_one_etcd_does_not_place()
 
     lease = Lease()
     unused = cast(Any, None)  # decide() reads only the lease
-    router = Router(1, cast(Any, lease), unused, unused, unused, unused)
+    router = Router(1, cast(Any, lease), unused, unused, unused, unused, ManualClock())
     for owner in (None, 1):
         for forwarded in (False, True):
             lease.serving = True

@@ -37,6 +37,7 @@ from fila.core.broker import Broker
 from fila.core.errors import BrokerError, QueueAlreadyExists, QueueNotFound
 from fila.core.queue import validate_queue_name
 from fila.server import access
+from fila.server.access import Kind
 from fila.server.handlers import Handler, behaviour_of, rebuild
 from fila.server.readers import StreamReaders
 from fila.server.rpc import BadRequest
@@ -180,6 +181,8 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def _batch_call(self, method: str, field: str, inner: Behaviour) -> Behaviour:
         response_type, wrap = _BATCHES[method.rpartition("/")[2]]
         max_batch = self._broker.settings.max_batch_messages
+        kind = access.rule_for(method).kind
+        assert kind is not None  # a batch's rule is EACH_ITEM with its kind
 
         async def call(request: Any, context: Context) -> Any:
             if isinstance(request, BadRequest):
@@ -191,12 +194,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             targets: dict[str, Any] = {}
             for item in items:
                 if item.queue not in targets:
-                    try:
-                        targets[item.queue] = await self._router.target(
-                            item.queue, forwarded=forwarded
-                        )
-                    except BrokerError as exc:
-                        targets[item.queue] = exc
+                    targets[item.queue] = await self._item_target(kind, item.queue, forwarded)
             if all(t is LOCAL for t in targets.values()):
                 return await inner(request, context)
             results: list[Message | None] = [None] * len(items)
@@ -248,6 +246,17 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
 
         return call
 
+    async def _item_target(self, kind: Kind, queue: str, forwarded: bool) -> Any:
+        """Where a batch item on `queue` goes, or the error it gets: PERMISSION_DENIED
+        before anything else, so that an item the caller may not touch never makes
+        this node ask etcd where its queue lives (the owner would refuse it too)."""
+        if not access.permits(kind, queue):
+            return access.denied(kind, queue)
+        try:
+            return await self._router.target(queue, forwarded=forwarded)
+        except BrokerError as exc:
+            return exc
+
     def _stream_enqueue(self, inner: Behaviour) -> Behaviour:
         max_batch = self._broker.settings.max_batch_messages
 
@@ -281,6 +290,11 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 await inner(_empty(), context)
                 return
             if not isinstance(first, BadRequest):
+                try:  # refused before its queue is looked up, as the handler would
+                    access.require_key()
+                    access.require(Kind.CONSUME, first.queue)
+                except BrokerError as exc:
+                    await abort(context, exc)
                 await self._redirect_unless_here(first.queue, context)
             await inner(_chain(first, iterator), context)
 
@@ -307,7 +321,9 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                     if owner is None:
                         break
                     try:
-                        return await self._forward(owner, method, request, context, request.name)
+                        created = await self._forward(owner, method, request, context, request.name)
+                        self._router.unknown.forget(request.name)
+                        return created
                     except OwnerDown:
                         # Chosen while etcd still counts it live (it died within its
                         # lease TTL): the queue does not exist, so place it elsewhere.
@@ -348,6 +364,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         placements.creating.add(name)
         try:
             await placements.claim(name, self._node_id)
+            self._router.unknown.forget(name)
             try:
                 return await inner(request, context)
             except BaseException:
@@ -464,10 +481,12 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             if len(request.prefix) <= 1024:
                 await mirror.refresh_prefix(layout.config(request.prefix))
         elif reads is Reads.KEY_ID:
-            if 0 < len(request.key_id) <= 255:
+            # Read only for a caller the Keyring might answer (whoever may not manage
+            # keys is refused from this node's copy, without making etcd read).
+            if 0 < len(request.key_id) <= 255 and access.may_manage_keys(request.key_id):
                 await mirror.refresh(layout.acl(request.key_id))
                 await mirror.refresh(layout.api_key(request.key_id))
-        else:
+        elif access.may_manage_keys():
             await mirror.refresh_prefix(layout.section(ACLS))
             await mirror.refresh_prefix(layout.section(API_KEYS))
 

@@ -81,7 +81,13 @@ class ClusterNode:
         key_mirror = KeyMirror(self.keyring)
         self.peers = Peers(self.node_id, peer_credentials(config))
         self.router = Router(
-            self.node_id, self.lease, self.placements, self.nodes, self.mirror, self.layout
+            self.node_id,
+            self.lease,
+            self.placements,
+            self.nodes,
+            self.mirror,
+            self.layout,
+            broker.clock,
         )
         self.mirror.add(sections.NODES, self.nodes)
         self.mirror.add(sections.QUEUES, self.placements)

@@ -16,7 +16,10 @@ lease a replacement with its id may have released its queues), `OwnerDown` (the 
 is not a live member), `NotOwner` (a forwarded call reached a node that does not own
 the queue: answered, never forwarded twice). A queue the mirror does not know is
 looked up in etcd first (`Mirror.refresh`), so a queue created through another node
-is found at once.
+is found at once; a name etcd did not know is not asked about again for a moment
+(`fila.cluster.unknown`). Callers check the caller's permission on the queue before
+they ask (the auth interceptor for calls on one queue, the edge and the stream
+splitter for each item): a queue the caller may not touch is never looked up.
 
 `ROUTES` says, per method, which shape of routing applies; `fila.cluster.edge`
 carries it out. A test checks it covers every method of both services, as
@@ -36,6 +39,8 @@ from fila.cluster.lease import NodeLease
 from fila.cluster.mirror import Mirror
 from fila.cluster.nodes import Nodes
 from fila.cluster.placement import Placements
+from fila.cluster.unknown import UnknownQueues
+from fila.core.clock import Clock
 from fila.core.errors import InvalidArgument
 from fila.core.queue import validate_queue_name
 
@@ -57,6 +62,7 @@ class Router:
         nodes: Nodes,
         mirror: Mirror,
         layout: Layout,
+        clock: Clock,
     ) -> None:
         self.node_id = node_id
         self._lease = lease
@@ -64,14 +70,19 @@ class Router:
         self._nodes = nodes
         self._mirror = mirror
         self._layout = layout
+        self.unknown = UnknownQueues(clock)
 
     async def target(self, queue: str, *, forwarded: bool) -> Target:
         """See the module docstring. Raises EtcdUnavailable when the queue is unknown
         here and etcd cannot be asked."""
         owner = self._placements.owner(queue)
         if owner is None and _valid(queue):
-            await self._mirror.refresh(self._layout.queue(placed_name(queue)))
-            owner = self._placements.owner(queue)
+            name = placed_name(queue)
+            if not self.unknown.known_unknown(name):
+                await self._mirror.refresh(self._layout.queue(name))
+                owner = self._placements.owner(queue)
+                if owner is None:
+                    self.unknown.note(name)
         return self.decide(queue, owner, forwarded=forwarded)
 
     def decide(self, queue: str, owner: int | None, *, forwarded: bool) -> Target:

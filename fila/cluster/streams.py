@@ -14,7 +14,9 @@ fails those parts with OwnerDown at once, so the answers queued behind them go o
 
 A request's failure as a whole (over `server.max_batch_messages`) is its items' error,
 as on a single node; a revoked key ends the stream with UNAUTHENTICATED at its next
-request (`access.require_key`), as on a single node.
+request (`access.require_key`), as on a single node. An item the caller may not
+produce to gets PERMISSION_DENIED here, before its queue is looked up, so a key with
+no rights never makes this node ask etcd where a queue lives.
 
 The splitter owes the producer the answers to every request it took, wherever their
 parts went, so it holds the single node's bound (`fila.server.owed`): it reads no
@@ -44,6 +46,7 @@ from fila.cluster.peers import Link, Peers, cut_off, is_forwarded, translate
 from fila.cluster.routing import LOCAL, Router, Target
 from fila.core.errors import BrokerError, InvalidArgument, Unavailable
 from fila.server import access, rpc
+from fila.server.access import Kind
 from fila.server.owed import ANSWER_OVERHEAD_BYTES, OwedAnswers, owed_bytes_bound
 from fila.server.readers import Interrupted, StreamReaders
 from fila.server.results import ID_RESULT_BYTES, error_result, stream_answer, stream_answer_of
@@ -246,7 +249,11 @@ class StreamSplitter:
                 await self._send_remote(target, pending, indexes, part)
 
     async def _target(self, queue: str) -> Target | BrokerError:
-        """Where `queue`'s items go, or the error they get."""
+        """Where `queue`'s items go, or the error they get: PERMISSION_DENIED first
+        (the owner would refuse them too, and looking up a queue the caller may not
+        touch would let any key make this node read etcd at will)."""
+        if not access.permits(Kind.PRODUCE, queue):
+            return access.denied(Kind.PRODUCE, queue)
         try:
             return await self._router.target(queue, forwarded=self._forwarded)
         except BrokerError as exc:

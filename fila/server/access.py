@@ -10,6 +10,8 @@ everything is allowed. Handlers never parse credentials; they use this API:
     require(kind, queue)               raises PermissionDenied (a BrokerError)
     denied(kind, queue)                the PermissionDenied to put in an item's result
     may_see(queue) -> bool             whether ListQueues shows the queue to the caller
+    may_manage_keys(key_id) -> bool    whether key management could be granted (cluster
+                                       mode reads etcd only then)
     on_key_lost(stop) -> unsubscribe   `stop(reason)` runs once if the caller's key is
                                        revoked or expires while the call is open
     require_key()                      raises Unauthenticated if that already happened
@@ -62,6 +64,7 @@ __all__ = [
     "bind",
     "current",
     "denied",
+    "may_manage_keys",
     "may_see",
     "on_key_lost",
     "permits",
@@ -151,6 +154,19 @@ def require_key() -> None:
 def may_see(queue: str) -> bool:
     caller = _caller.get()
     return caller is None or caller.may_see(queue)
+
+
+def may_manage_keys(key_id: str = "") -> bool:
+    """Whether the Keyring could grant the caller a key-management call (on `key_id`):
+    superadmins, keys holding an admin permission to delegate, and a key reading its
+    own ACL. False means it will refuse, so a node need not read etcd first."""
+    caller = _caller.get()
+    return (
+        caller is None
+        or caller.is_superadmin
+        or bool(caller.admin_patterns())
+        or (bool(key_id) and caller.key_id == key_id)
+    )
 
 
 def on_key_lost(stop: Callable[[BrokerError], None]) -> Callable[[], None]:
