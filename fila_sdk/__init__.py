@@ -26,6 +26,7 @@ from .errors import (
     UnavailableError,
 )
 from .types import (
+    UNLIMITED_ATTEMPTS,
     Acl,
     AclPermission,
     ApiKeyInfo,
@@ -35,7 +36,10 @@ from .types import (
     EnqueueItem,
     FairnessKeyStats,
     Message,
+    PeekedState,
     PeekPage,
+    QueueConfig,
+    QueueDetails,
     QueueInfo,
     QueueStats,
     ThrottleKeyStats,
@@ -43,6 +47,7 @@ from .types import (
 from .worker import AsyncWorker, ThreadWorker, Worker, WorkerStats
 
 __all__ = [
+    "UNLIMITED_ATTEMPTS",
     "Acl",
     "AclPermission",
     "ApiKeyInfo",
@@ -65,8 +70,11 @@ __all__ = [
     "Message",
     "MessageNotFoundError",
     "PeekPage",
+    "PeekedState",
     "PermissionDeniedError",
     "QueueAlreadyExistsError",
+    "QueueConfig",
+    "QueueDetails",
     "QueueInfo",
     "QueueNotFoundError",
     "QueueStats",

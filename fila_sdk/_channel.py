@@ -34,7 +34,7 @@ from .errors import (
     UnavailableError,
 )
 from .tracing import with_trace_context
-from .types import AclPermission
+from .types import MESSAGE_STATES, AclPermission
 
 ChannelOptions = Sequence[tuple[str, str | int]]
 
@@ -222,13 +222,45 @@ class Settings:
 
 
 def queue_config(
-    on_enqueue: str | None, on_failure: str | None, visibility_timeout_ms: int | None
+    on_enqueue: str | None,
+    on_failure: str | None,
+    visibility_timeout_ms: int | None,
+    max_attempts: int | None = None,
+    retry_backoff: str | None = None,
 ) -> admin_pb2.QueueConfig:
     # Empty strings and 0 are the wire's "not set": the broker applies its defaults.
     return admin_pb2.QueueConfig(
         on_enqueue_script=on_enqueue or "",
         on_failure_script=on_failure or "",
         visibility_timeout_ms=visibility_timeout_ms or 0,
+        max_attempts=max_attempts or 0,
+        retry_backoff=retry_backoff or "",
+    )
+
+
+def update_queue_request(
+    name: str,
+    on_enqueue: str | None,
+    on_failure: str | None,
+    visibility_timeout_ms: int | None,
+    max_attempts: int | None,
+    retry_backoff: str | None,
+) -> admin_pb2.UpdateQueueRequest:
+    """Only the arguments given (not None) change; "" clears a script."""
+    given = {
+        "on_enqueue_script": on_enqueue,
+        "on_failure_script": on_failure,
+        "visibility_timeout_ms": visibility_timeout_ms,
+        "max_attempts": max_attempts,
+        "retry_backoff": retry_backoff,
+    }
+    changes = {field: value for field, value in given.items() if value is not None}
+    if not changes:
+        raise ValueError("update_queue: give at least one setting to change")
+    return admin_pb2.UpdateQueueRequest(
+        queue=name,
+        config=admin_pb2.QueueConfig(**changes),  # type: ignore[arg-type]
+        update_mask=list(changes),
     )
 
 
@@ -238,12 +270,22 @@ MAX_PEEK_LIMIT: Final = 1000
 
 
 def peek_request(
-    queue: str, limit: int | None, after_id: str | None, fairness_key: str | None
+    queue: str,
+    limit: int | None,
+    after_id: str | None,
+    fairness_key: str | None,
+    state: str | None = None,
 ) -> admin_pb2.PeekMessagesRequest:
     # 0 and "" are the wire's "not set": the broker's default page size (20), from the
-    # start of the queue, every fairness key.
+    # start of the queue, every fairness key, every state.
+    if state is not None and state not in MESSAGE_STATES:
+        raise ValueError(f"state must be one of {', '.join(MESSAGE_STATES)}, got {state!r}")
     return admin_pb2.PeekMessagesRequest(
-        queue=queue, limit=limit or 0, after_id=after_id or "", fairness_key=fairness_key or ""
+        queue=queue,
+        limit=limit or 0,
+        after_id=after_id or "",
+        fairness_key=fairness_key or "",
+        state=MESSAGE_STATES[state] if state is not None else 0,  # type: ignore[arg-type]
     )
 
 

@@ -42,6 +42,7 @@ from ._channel import (
     peek_request,
     queue_config,
     set_acl_request,
+    update_queue_request,
 )
 from .arguments import UNSET, Payload, enqueue_arguments, json_arguments
 from .batching import (
@@ -77,6 +78,8 @@ from .types import (
     CreatedApiKey,
     Message,
     PeekPage,
+    QueueConfig,
+    QueueDetails,
     QueueInfo,
     QueueStats,
 )
@@ -574,6 +577,8 @@ class AsyncClient:
         on_failure: str | None = None,
         visibility_timeout_ms: int | None = None,
         exist_ok: bool = False,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
     ) -> str:
         """Create queue `name` (and `name.dlq`); returns its id (the name).
 
@@ -581,7 +586,9 @@ class AsyncClient:
         code can run on every start; the existing queue keeps its own hooks and
         timeout (they are not compared with these).
         """
-        config = queue_config(on_enqueue, on_failure, visibility_timeout_ms)
+        config = queue_config(
+            on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        )
         request = admin_pb2.CreateQueueRequest(name=name, config=config)
         try:
             return (await self._unary(self._admin.CreateQueue, request)).queue_id
@@ -592,6 +599,31 @@ class AsyncClient:
 
     async def delete_queue(self, name: str) -> None:
         await self._unary(self._admin.DeleteQueue, admin_pb2.DeleteQueueRequest(queue=name))
+
+    async def get_queue(self, name: str) -> QueueDetails:
+        """The queue's configuration in force and its dead-letter queue."""
+        request = admin_pb2.GetQueueRequest(queue=name)
+        return QueueDetails.from_proto(await self._unary(self._admin.GetQueue, request))
+
+    async def update_queue(
+        self,
+        name: str,
+        *,
+        on_enqueue: str | None = None,
+        on_failure: str | None = None,
+        visibility_timeout_ms: int | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+    ) -> QueueConfig:
+        """Change the given settings of queue `name` (None: unchanged; "" clears a
+        script; `max_attempts=UNLIMITED_ATTEMPTS` lifts the limit); returns the
+        configuration in force. Scripts are checked before anything changes; messages
+        enqueued after this returns see the new configuration."""
+        request = update_queue_request(
+            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        )
+        response = await self._unary(self._admin.UpdateQueue, request)
+        return QueueConfig.from_proto(response.config)
 
     async def list_queues(self) -> list[QueueInfo]:
         response = await self._unary(self._admin.ListQueues, admin_pb2.ListQueuesRequest())
@@ -623,9 +655,10 @@ class AsyncClient:
         limit: int | None = None,
         after_id: str | None = None,
         fairness_key: str | None = None,
+        state: str | None = None,
     ) -> PeekPage:
         """One page of `queue`'s messages without leasing them; see `Client.peek`."""
-        request = peek_request(queue, limit, after_id, fairness_key)
+        request = peek_request(queue, limit, after_id, fairness_key, state)
         return PeekPage.from_proto(await self._unary(self._admin.PeekMessages, request))
 
     async def peek_all(
@@ -635,12 +668,13 @@ class AsyncClient:
         after_id: str | None = None,
         fairness_key: str | None = None,
         page_size: int = MAX_PEEK_LIMIT,
+        state: str | None = None,
     ) -> AsyncIterator[Message]:
         """Every message of `queue` in id order, page by page; see `Client.peek_all`."""
         after = after_id
         while True:
             page = await self.peek(
-                queue, limit=page_size, after_id=after, fairness_key=fairness_key
+                queue, limit=page_size, after_id=after, fairness_key=fairness_key, state=state
             )
             for message in page.messages:
                 yield message

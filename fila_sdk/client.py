@@ -37,6 +37,7 @@ from ._channel import (
     peek_request,
     queue_config,
     set_acl_request,
+    update_queue_request,
 )
 from ._loop import LoopThread
 from .aio import AsyncClient
@@ -66,6 +67,8 @@ from .types import (
     CreatedApiKey,
     Message,
     PeekPage,
+    QueueConfig,
+    QueueDetails,
     QueueInfo,
     QueueStats,
 )
@@ -488,6 +491,8 @@ class Client:
         on_failure: str | None = None,
         visibility_timeout_ms: int | None = None,
         exist_ok: bool = False,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
     ) -> str:
         """Create queue `name` (and `name.dlq`); returns its id (the name).
 
@@ -495,7 +500,9 @@ class Client:
         code can run on every start; the existing queue keeps its own hooks and
         timeout (they are not compared with these).
         """
-        config = queue_config(on_enqueue, on_failure, visibility_timeout_ms)
+        config = queue_config(
+            on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        )
         request = admin_pb2.CreateQueueRequest(name=name, config=config)
         try:
             return self._unary(self._admin.CreateQueue, request).queue_id
@@ -506,6 +513,31 @@ class Client:
 
     def delete_queue(self, name: str) -> None:
         self._unary(self._admin.DeleteQueue, admin_pb2.DeleteQueueRequest(queue=name))
+
+    def get_queue(self, name: str) -> QueueDetails:
+        """The queue's configuration in force and its dead-letter queue."""
+        request = admin_pb2.GetQueueRequest(queue=name)
+        return QueueDetails.from_proto(self._unary(self._admin.GetQueue, request))
+
+    def update_queue(
+        self,
+        name: str,
+        *,
+        on_enqueue: str | None = None,
+        on_failure: str | None = None,
+        visibility_timeout_ms: int | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+    ) -> QueueConfig:
+        """Change the given settings of queue `name` (None: unchanged; "" clears a
+        script; `max_attempts=UNLIMITED_ATTEMPTS` lifts the limit); returns the
+        configuration in force. Scripts are checked before anything changes; messages
+        enqueued after this returns see the new configuration."""
+        request = update_queue_request(
+            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        )
+        response = self._unary(self._admin.UpdateQueue, request)
+        return QueueConfig.from_proto(response.config)
 
     def list_queues(self) -> list[QueueInfo]:
         response = self._unary(self._admin.ListQueues, admin_pb2.ListQueuesRequest())
@@ -536,15 +568,19 @@ class Client:
         limit: int | None = None,
         after_id: str | None = None,
         fairness_key: str | None = None,
+        state: str | None = None,
     ) -> PeekPage:
         """One page of `queue`'s ready, delayed and leased messages, in id order.
 
         Nothing is leased or changed, so browsing a queue (or a DLQ before a
         redrive) never disturbs its consumers. `limit` defaults to the broker's
         page size (20), at most 1,000; pass the page's `next_after_id` as
-        `after_id` for the next page; `fairness_key` keeps only that key's messages.
+        `after_id` for the next page; `fairness_key` keeps only that key's messages,
+        `state` ("ready", "delayed" or "leased") only those in that state. The page's
+        `states` say each message's state, when a delayed one becomes ready and when
+        a lease runs out.
         """
-        request = peek_request(queue, limit, after_id, fairness_key)
+        request = peek_request(queue, limit, after_id, fairness_key, state)
         return PeekPage.from_proto(self._unary(self._admin.PeekMessages, request))
 
     def peek_all(
@@ -554,6 +590,7 @@ class Client:
         after_id: str | None = None,
         fairness_key: str | None = None,
         page_size: int = MAX_PEEK_LIMIT,
+        state: str | None = None,
     ) -> Iterator[Message]:
         """Every message of `queue` (after `after_id`, if given) in id order, fetched
         a page at a time as iterated.
@@ -564,7 +601,9 @@ class Client:
         """
         after = after_id
         while True:
-            page = self.peek(queue, limit=page_size, after_id=after, fairness_key=fairness_key)
+            page = self.peek(
+                queue, limit=page_size, after_id=after, fairness_key=fairness_key, state=state
+            )
             yield from page.messages
             if page.next_after_id is None:
                 return

@@ -28,6 +28,9 @@ __all__ = [
     "FairnessKeyStats",
     "Message",
     "PeekPage",
+    "PeekedState",
+    "QueueConfig",
+    "QueueDetails",
     "QueueInfo",
     "QueueStats",
     "ThrottleKeyStats",
@@ -58,6 +61,11 @@ class Message:
     attempt_count: int
     enqueued_at: datetime | None
     leased_at: datetime | None
+    # Why and when it last failed (the last nack's error, or "visibility timeout
+    # expired"), and when it was dead-lettered; kept across redrive. "" / None: never.
+    last_error: str = ""
+    last_failed_at: datetime | None = None
+    dead_lettered_at: datetime | None = None
 
     @classmethod
     def from_proto(cls, msg: messages_pb2.Message) -> Message:
@@ -76,6 +84,9 @@ class Message:
             meta.attempt_count,
             _time(times.enqueued_at, times.HasField("enqueued_at")),
             _time(times.leased_at, times.HasField("leased_at")),
+            meta.last_error,
+            _time(meta.last_failed_at, meta.HasField("last_failed_at")),
+            _time(meta.dead_lettered_at, meta.HasField("dead_lettered_at")),
         )
 
     def json(self) -> Any:
@@ -84,20 +95,94 @@ class Message:
         return json.loads(self.payload)
 
 
+# A peeked message's state, as `peek(state=...)` takes it and `PeekedState.state` says.
+MESSAGE_STATES: dict[str, int] = {
+    "ready": admin_pb2.READY,
+    "delayed": admin_pb2.DELAYED,
+    "leased": admin_pb2.LEASED,
+}
+_STATE_NAMES = {number: name for name, number in MESSAGE_STATES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class PeekedState:
+    """A peeked message's state: "ready", "delayed" (with `ready_at`) or "leased"
+    (with `lease_deadline`, when the lease runs out unless settled or extended)."""
+
+    state: str
+    ready_at: datetime | None = None
+    lease_deadline: datetime | None = None
+
+    @classmethod
+    def from_proto(cls, peeked: admin_pb2.PeekedState) -> PeekedState:
+        return cls(
+            _STATE_NAMES.get(peeked.state, "unknown"),
+            _time(peeked.ready_at, peeked.HasField("ready_at")),
+            _time(peeked.lease_deadline, peeked.HasField("lease_deadline")),
+        )
+
+
 @dataclass(frozen=True, slots=True)
 class PeekPage:
     """One page of `peek`: messages in id order, and where the next page starts.
 
     `next_after_id` is the `after_id` of the next page, or None when this page
-    reached the end of the queue.
+    reached the end of the queue. `states[i]` is `messages[i]`'s state (empty from a
+    broker that does not report states).
     """
 
     messages: tuple[Message, ...]
     next_after_id: str | None
+    states: tuple[PeekedState, ...] = ()
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.PeekMessagesResponse) -> PeekPage:
-        return cls(tuple(Message.from_proto(m) for m in resp.messages), resp.next_after_id or None)
+        return cls(
+            tuple(Message.from_proto(m) for m in resp.messages),
+            resp.next_after_id or None,
+            tuple(PeekedState.from_proto(s) for s in resp.states),
+        )
+
+
+# QueueConfig.max_attempts on the wire for "no limit" (0 there means the default, 25).
+UNLIMITED_ATTEMPTS = 2**32 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class QueueConfig:
+    """A queue's configuration in force: its hooks ("" = none), visibility timeout, and
+    the retry policy used without an `on_failure` hook (`max_attempts` None: no limit;
+    `retry_backoff` "exponential", "none" or "fixed:<duration>")."""
+
+    on_enqueue: str
+    on_failure: str
+    visibility_timeout_ms: int
+    max_attempts: int | None
+    retry_backoff: str
+
+    @classmethod
+    def from_proto(cls, config: admin_pb2.QueueConfig) -> QueueConfig:
+        attempts = config.max_attempts
+        return cls(
+            config.on_enqueue_script,
+            config.on_failure_script,
+            config.visibility_timeout_ms,
+            None if attempts in (0, UNLIMITED_ATTEMPTS) else attempts,
+            config.retry_backoff,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class QueueDetails:
+    """`get_queue`: the queue's name, configuration and DLQ (None for a DLQ itself)."""
+
+    name: str
+    config: QueueConfig
+    dlq: str | None
+
+    @classmethod
+    def from_proto(cls, resp: admin_pb2.GetQueueResponse) -> QueueDetails:
+        return cls(resp.name, QueueConfig.from_proto(resp.config), resp.dlq or None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +245,17 @@ class QueueStats:
     nacked_total: int = 0
     expired_total: int = 0
     dead_lettered_total: int = 0
+    # `depth` = ready + delayed; leased messages are `in_flight`.
+    delayed: int = 0
+    # Run-time failures of the queue's Lua hooks, the last one's text and time.
+    hook_errors_total: int = 0
+    last_hook_error: str = ""
+    last_hook_error_at: datetime | None = None
+
+    @property
+    def ready(self) -> int:
+        """Messages a consumer could be given now (or once their throttle allows)."""
+        return self.depth - self.delayed
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.GetStatsResponse) -> QueueStats:
@@ -185,6 +281,10 @@ class QueueStats:
             nacked_total=resp.nacked_total,
             expired_total=resp.expired_total,
             dead_lettered_total=resp.dead_lettered_total,
+            delayed=resp.delayed,
+            hook_errors_total=resp.hook_errors_total,
+            last_hook_error=resp.last_hook_error,
+            last_hook_error_at=_time(resp.last_hook_error_at, resp.HasField("last_hook_error_at")),
         )
 
 

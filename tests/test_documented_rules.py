@@ -97,7 +97,8 @@ def test_extend_lease_may_shorten_a_deadline_and_the_message_comes_back_then() -
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 30_000)
+        # retries at once (no backoff), so the message is back at the deadline itself
+        await core.broker.admin.create_queue("q", "", "", 30_000, retry_backoff="none")
         (message_id,) = await core.enqueue("q")
         consumer = core.broker.delivery.attach_consumer("q")
         await core.settle()

@@ -375,6 +375,28 @@ def _purge(who: As, queue: str) -> None:
     assert purged.purged == 1
 
 
+def _get_queue(who: As, queue: str) -> None:
+    request = admin_pb2.GetQueueRequest(queue=queue)
+    try:
+        details = who.admin.GetQueue(request, metadata=who.md, timeout=10)
+    except grpc.RpcError as err:
+        _denied_as_error(err)
+    assert details.name == queue
+
+
+def _update_queue(who: As, queue: str) -> None:
+    request = admin_pb2.UpdateQueueRequest(
+        queue=queue,
+        config=admin_pb2.QueueConfig(visibility_timeout_ms=45_000),
+        update_mask=["visibility_timeout_ms"],
+    )
+    try:
+        updated = who.admin.UpdateQueue(request, metadata=who.md, timeout=10)
+    except grpc.RpcError as err:
+        _denied_as_error(err)
+    assert updated.config.visibility_timeout_ms == 45_000
+
+
 @dataclass(frozen=True)
 class Op:
     """One RPC as a matrix row: `run` returns when allowed, raises PermissionDeniedError
@@ -402,6 +424,8 @@ OPS = [
     Op("Redrive", Kind.ADMIN, _redrive),
     Op("PeekMessages", Kind.ADMIN, _peek),
     Op("PurgeQueue", Kind.ADMIN, _purge),
+    Op("GetQueue", Kind.ADMIN, _get_queue),
+    Op("UpdateQueue", Kind.ADMIN, _update_queue),
 ]
 
 

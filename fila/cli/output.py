@@ -16,7 +16,7 @@ from rich.console import Console, RenderableType
 from rich.table import Table
 
 from fila.cli.context import options
-from fila_sdk import Message
+from fila_sdk import Message, PeekedState
 
 PAYLOAD_PREVIEW_CHARS = 60
 
@@ -66,9 +66,16 @@ def _text(payload: bytes) -> str | None:
         return None
 
 
-def message_json(message: Message) -> dict[str, Any]:
+def message_json(message: Message, state: PeekedState | None = None) -> dict[str, Any]:
     """A message for `--json`: lossless (`payload_base64`), and readable (`payload`,
-    the UTF-8 text, or null when the payload is not UTF-8)."""
+    the UTF-8 text, or null when the payload is not UTF-8); with its peeked state."""
+    extra: dict[str, Any] = {}
+    if state is not None:
+        extra = {
+            "state": state.state,
+            "ready_at": _iso(state.ready_at),
+            "lease_deadline": _iso(state.lease_deadline),
+        }
     return {
         "id": message.id,
         "queue": message.queue,
@@ -81,6 +88,10 @@ def message_json(message: Message) -> dict[str, Any]:
         "headers": message.headers,
         "payload": _text(message.payload),
         "payload_base64": base64.b64encode(message.payload).decode(),
+        "last_error": message.last_error or None,
+        "last_failed_at": _iso(message.last_failed_at),
+        "dead_lettered_at": _iso(message.dead_lettered_at),
+        **extra,
     }
 
 
@@ -116,18 +127,39 @@ def message_line(message: Message) -> str:
     return "  ".join(parts)
 
 
-def messages_table(messages: list[Message]) -> Table:
+def state_text(message: Message, state: PeekedState | None) -> str:
+    """`ready`, `delayed until 14:05:00.000`, `leased until ... (attempt 3)`."""
+    if state is None:  # a broker that does not report states
+        return "leased" if message.leased_at is not None else "queued"
+    if state.state == "delayed" and state.ready_at is not None:
+        return f"delayed until {short_time(state.ready_at)}"
+    if state.state == "leased":
+        until = f" until {short_time(state.lease_deadline)}" if state.lease_deadline else ""
+        return f"leased{until} (attempt {message.attempt_count + 1})"
+    return state.state
+
+
+def messages_table(
+    messages: list[Message], states: list[PeekedState | None] | None = None
+) -> Table:
     table = Table(title=None)
     table.add_column("id", no_wrap=True)
-    for header in ("key", "attempts", "state", "headers", "payload"):
+    failed = any(m.last_error for m in messages)
+    headers = ["key", "attempts", "state", "headers", "payload"]
+    headers += ["last error"] if failed else []
+    for header in headers:
         table.add_column(header, justify="right" if header == "attempts" else "left")
-    for m in messages:
-        table.add_row(
+    for index, m in enumerate(messages):
+        state = states[index] if states is not None and index < len(states) else None
+        row = [
             m.id,
             m.fairness_key,
             str(m.attempt_count),
-            "leased" if m.leased_at is not None else "queued",
+            state_text(m, state),
             headers_text(m.headers),
             payload_preview(m.payload),
-        )
+        ]
+        if failed:
+            row.append(payload_preview(m.last_error.encode()) if m.last_error else "")
+        table.add_row(*row)
     return table

@@ -1,11 +1,11 @@
-"""`fila queue ...`: create, delete, list, inspect (optionally live), peek and purge."""
+"""`fila queue ...`: create, show, update, delete, list, inspect (optionally live), peek
+and purge."""
 
 from __future__ import annotations
 
-import itertools
 import sys
 import time
-from typing import Final
+from typing import Any, Final
 
 import click
 
@@ -17,8 +17,23 @@ from fila.cli.errors import Failure
 from fila.cli.files import text_or_file
 from fila.cli.output import emit, message_json, messages_table
 from fila.cli.rates import Rates, Sample, rates
-from fila.cli.views import inspect_view, queues_json, queues_table, stats_json
-from fila_sdk import Client, QueueInfo, QueueNotFoundError
+from fila.cli.views import (
+    inspect_view,
+    queue_config_json,
+    queue_config_view,
+    queues_json,
+    queues_table,
+    stats_json,
+)
+from fila_sdk import (
+    UNLIMITED_ATTEMPTS,
+    Client,
+    Message,
+    PeekedState,
+    QueueDetails,
+    QueueInfo,
+    QueueNotFoundError,
+)
 
 # The broker's largest peek page: `queue peek --count N` costs ceil(N / 1000) calls.
 PEEK_PAGE: Final = 1000
@@ -53,6 +68,45 @@ def _watch_options(command: F) -> F:
     return command
 
 
+class _Attempts(click.ParamType):  # type: ignore[type-arg]
+    """A number of attempts (at least 1), or `unlimited`."""
+
+    name = "attempts"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
+        if isinstance(value, int):
+            return value
+        if str(value).strip().lower() == "unlimited":
+            return UNLIMITED_ATTEMPTS
+        try:
+            count = int(value)
+        except ValueError:
+            self.fail(f'"{value}" is not a number of attempts or "unlimited"', param, ctx)
+        if not 1 <= count < UNLIMITED_ATTEMPTS:
+            self.fail(f"{count} attempts: give at least 1, or unlimited", param, ctx)
+        return count
+
+
+def _retry_options(command: F) -> F:
+    for option in (
+        click.option(
+            "--retry-backoff",
+            metavar="POLICY",
+            help='Wait between attempts without an on_failure hook: "exponential" (1s, '
+            '2s, 4s... +-25%, at most 1h), "none", or "fixed:30s".',
+        ),
+        click.option(
+            "--max-attempts",
+            type=_Attempts(),
+            metavar="N|unlimited",
+            help="Failed attempts before a message is dead-lettered, without an "
+            "on_failure hook (default 25).",
+        ),
+    ):
+        command = option(command)
+    return command
+
+
 @group()
 def queue() -> None:
     """Create, list, inspect, browse, purge and delete queues."""
@@ -68,6 +122,7 @@ def queue() -> None:
     metavar="DURATION",
     help="Lease duration, e.g. 30s, 5m (a plain number is milliseconds; broker default 30s).",
 )
+@_retry_options
 @click.option(
     "--exist-ok",
     is_flag=True,
@@ -80,9 +135,13 @@ def queue_create(
     on_enqueue: str | None,
     on_failure: str | None,
     visibility_timeout: int | None,
+    max_attempts: int | None,
+    retry_backoff: str | None,
     exist_ok: bool,
 ) -> None:
-    """Create queue NAME and its dead-letter queue NAME.dlq."""
+    """Create queue NAME and its dead-letter queue NAME.dlq. Without an on_failure hook,
+    a failed message is retried on the backoff curve and dead-lettered after
+    --max-attempts (defaults: exponential from 1s to 1h, 25 attempts)."""
     on_enqueue_script = text_or_file(on_enqueue, "on_enqueue script")
     on_failure_script = text_or_file(on_failure, "on_failure script")
     queue_id = connect(ctx).create_queue(
@@ -90,6 +149,8 @@ def queue_create(
         on_enqueue=on_enqueue_script,
         on_failure=on_failure_script,
         visibility_timeout_ms=visibility_timeout,
+        max_attempts=max_attempts,
+        retry_backoff=retry_backoff,
         exist_ok=exist_ok,
     )
     emit(
@@ -203,17 +264,84 @@ def queue_inspect(
     help="Show at most this many messages.",
 )
 @click.option("--key", metavar="FAIRNESS_KEY", help="Only messages of this fairness key.")
+@click.option(
+    "--state",
+    type=click.Choice(["ready", "delayed", "leased"]),
+    help="Only messages in this state.",
+)
 @click.pass_context
-def queue_peek(ctx: click.Context, name: str, count: int, key: str | None) -> None:
-    """Show queue NAME's messages (ready, delayed and leased) in id order, without
-    leasing or changing anything; works on dead-letter queues (NAME.dlq) too."""
-    found = connect(ctx).peek_all(name, fairness_key=key, page_size=min(count, PEEK_PAGE))
-    messages = list(itertools.islice(found, count))
+def queue_peek(
+    ctx: click.Context, name: str, count: int, key: str | None, state: str | None
+) -> None:
+    """Show queue NAME's messages (ready, delayed with the time they become ready,
+    leased with their deadline) in id order, without leasing or changing anything;
+    works on dead-letter queues (NAME.dlq) too, with each message's last error."""
+    client = connect(ctx)
+    messages: list[Message] = []
+    states: list[PeekedState | None] = []
+    after: str | None = None
+    while len(messages) < count:
+        page = client.peek(
+            name,
+            limit=min(count - len(messages), PEEK_PAGE),
+            after_id=after,
+            fairness_key=key,
+            state=state,
+        )
+        messages += page.messages
+        states += page.states or [None] * len(page.messages)
+        if page.next_after_id is None:
+            break
+        after = page.next_after_id
     emit(
         ctx,
-        [message_json(m) for m in messages],
-        messages_table(messages) if messages else f'No messages in "{name}".',
+        [message_json(m, s) for m, s in zip(messages, states, strict=True)],
+        messages_table(messages, states) if messages else f'No messages in "{name}".',
     )
+
+
+@queue.command("show")
+@click.argument("name")
+@click.pass_context
+def queue_show(ctx: click.Context, name: str) -> None:
+    """Show queue NAME's configuration (hooks, visibility timeout, retry policy, DLQ)."""
+    details = connect(ctx).get_queue(name)
+    emit(ctx, queue_config_json(details), queue_config_view(details))
+
+
+@queue.command("update")
+@click.argument("name")
+@click.option("--on-enqueue", metavar="SCRIPT|@FILE", help='Lua on_enqueue hook ("" removes it).')
+@click.option("--on-failure", metavar="SCRIPT|@FILE", help='Lua on_failure hook ("" removes it).')
+@click.option(
+    "--visibility-timeout",
+    type=Duration(min_ms=1),
+    metavar="DURATION",
+    help="Lease duration, e.g. 30s, 5m (a plain number is milliseconds).",
+)
+@_retry_options
+@click.pass_context
+def queue_update(
+    ctx: click.Context,
+    name: str,
+    on_enqueue: str | None,
+    on_failure: str | None,
+    visibility_timeout: int | None,
+    max_attempts: int | None,
+    retry_backoff: str | None,
+) -> None:
+    """Change the given settings of queue NAME; the others stay. Scripts are checked
+    before anything changes; messages enqueued after the change see it."""
+    config = connect(ctx).update_queue(
+        name,
+        on_enqueue=None if on_enqueue is None else text_or_file(on_enqueue, "on_enqueue script"),
+        on_failure=None if on_failure is None else text_or_file(on_failure, "on_failure script"),
+        visibility_timeout_ms=visibility_timeout,
+        max_attempts=max_attempts,
+        retry_backoff=retry_backoff,
+    )
+    details = QueueDetails(name, config, None)
+    emit(ctx, queue_config_json(details), f'Updated queue "{name}"', queue_config_view(details))
 
 
 @queue.command("purge")

@@ -14,9 +14,10 @@ from typing import Any
 from rich.console import Group, RenderableType
 from rich.table import Table
 
+from fila.cli.durations import format_ms
 from fila.cli.output import numbers_table
 from fila.cli.rates import COUNTERS, Rates
-from fila_sdk import QueueInfo, QueueStats
+from fila_sdk import QueueDetails, QueueInfo, QueueStats
 
 
 def per_second(value: float | None) -> str:
@@ -86,11 +87,16 @@ def inspect_view(
     for label, value in (
         ("queue", name),
         *((("node", node),) if node else ()),
-        ("depth", stats.depth),
-        ("in-flight", stats.in_flight),
+        ("depth", f"{stats.depth} (ready {stats.ready}, delayed {stats.delayed})"),
+        ("in-flight", f"{stats.in_flight} (leased)"),
         ("consumers", stats.active_consumers),
         ("fairness keys", stats.active_fairness_keys),
         ("quantum", stats.quantum),
+        *(
+            (("hook errors", f"{stats.hook_errors_total}, last: {stats.last_hook_error}"),)
+            if stats.hook_errors_total
+            else ()
+        ),
     ):
         summary.add_row(label, str(value))
 
@@ -123,3 +129,40 @@ def inspect_view(
         keys if stats.per_key else "No active fairness keys.",
         throttles if stats.per_throttle else "No throttle keys.",
     )
+
+
+def queue_config_json(details: QueueDetails) -> dict[str, Any]:
+    config = details.config
+    return {
+        "name": details.name,
+        "dlq": details.dlq,
+        "on_enqueue_script": config.on_enqueue,
+        "on_failure_script": config.on_failure,
+        "visibility_timeout_ms": config.visibility_timeout_ms,
+        "max_attempts": config.max_attempts,  # null: no limit
+        "retry_backoff": config.retry_backoff,
+    }
+
+
+def queue_config_view(details: QueueDetails) -> RenderableType:
+    """`queue show`: one line per setting, then the scripts."""
+    config = details.config
+    summary = Table.grid(padding=(0, 2))
+    hooked = bool(config.on_failure)
+    retry = "decided by on_failure" if hooked else config.retry_backoff
+    attempts = "unlimited" if config.max_attempts is None else str(config.max_attempts)
+    for label, value in (
+        ("queue", details.name),
+        ("dead letters", details.dlq or "- (this is a dead-letter queue)"),
+        ("visibility timeout", format_ms(config.visibility_timeout_ms)),
+        ("retry backoff", retry),
+        ("max attempts", "decided by on_failure" if hooked else attempts),
+        ("on_enqueue", "yes" if config.on_enqueue else "none"),
+        ("on_failure", "yes" if config.on_failure else "none"),
+    ):
+        summary.add_row(label, value)
+    parts: list[RenderableType] = [summary]
+    for hook, source in (("on_enqueue", config.on_enqueue), ("on_failure", config.on_failure)):
+        if source:
+            parts += [f"-- {hook} --", source.rstrip()]
+    return Group(*parts)

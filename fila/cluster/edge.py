@@ -358,7 +358,12 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             raise self._lease.fenced_error()
         config = request.config
         self._broker.admin.check_create(
-            name, config.on_enqueue_script, config.on_failure_script, config.visibility_timeout_ms
+            name,
+            config.on_enqueue_script,
+            config.on_failure_script,
+            config.visibility_timeout_ms,
+            max_attempts=config.max_attempts,
+            retry_backoff=config.retry_backoff,
         )
         placements = self._placements
         placements.creating.add(name)

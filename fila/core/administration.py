@@ -10,13 +10,15 @@ config listings and peeks stop at `MAX_ANSWER_BYTES`; `total_count`,
 from __future__ import annotations
 
 import asyncio
+import enum
 import heapq
 import itertools
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from fila.core import stored
+from fila.core import retry, stored
 from fila.core.errors import (
     ConfigKeyNotFound,
     InvalidArgument,
@@ -49,13 +51,49 @@ if TYPE_CHECKING:
 log = logging.getLogger("fila.broker")
 
 MAX_LISTED_KEYS = 1000
+# The QueueConfig fields UpdateQueue changes.
+UPDATABLE = (
+    "on_enqueue_script",
+    "on_failure_script",
+    "visibility_timeout_ms",
+    "max_attempts",
+    "retry_backoff",
+)
 MAX_ANSWER_BYTES = 3 * 1024 * 1024
 DEFAULT_PEEK = 20
 MAX_PEEK = 1000
 
 
+class MessageState(enum.IntEnum):
+    """A peeked message's state, numbered as `fila.v1.MessageState`."""
+
+    READY = 1
+    DELAYED = 2
+    LEASED = 3
+
+
+@dataclass(frozen=True, slots=True)
+class PeekedState:
+    """A peeked message's state; `ready_at_ms` for DELAYED and `lease_deadline_ms` for
+    LEASED, on the broker's clock (0 otherwise)."""
+
+    state: MessageState
+    ready_at_ms: int
+    lease_deadline_ms: int
+
+
 def _ref_key(ref: MessageRef) -> bytes:
     return ref.key
+
+
+def _visibility_timeout(wire_ms: int) -> int:
+    """A wire visibility_timeout_ms (0: the default) checked against the limit."""
+    timeout = wire_ms or DEFAULT_VISIBILITY_TIMEOUT_MS
+    if timeout > MAX_VISIBILITY_TIMEOUT_MS:
+        raise InvalidArgument(
+            f"visibility_timeout_ms {timeout} is over the limit of {MAX_VISIBILITY_TIMEOUT_MS}"
+        )
+    return timeout
 
 
 def dlq_record(queue: QueueRecord, created_at_ms: int) -> QueueRecord:
@@ -78,10 +116,18 @@ class Administration:
     # -- queues --------------------------------------------------------------------
 
     def create_queue(
-        self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
+        self,
+        name: str,
+        on_enqueue: str,
+        on_failure: str,
+        visibility_timeout_ms: int,
+        *,
+        max_attempts: int = 0,
+        retry_backoff: str = "",
     ) -> asyncio.Future[None]:
+        """`max_attempts` and `retry_backoff` as on the wire (0 and "": the defaults)."""
         record, hooks, dlq_record = self._plan_create(
-            name, on_enqueue, on_failure, visibility_timeout_ms
+            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
         )
         committer = self.broker.committer
         self._add_queue(record, hooks)
@@ -104,14 +150,29 @@ class Administration:
         return committer.flushed()
 
     def check_create(
-        self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
+        self,
+        name: str,
+        on_enqueue: str,
+        on_failure: str,
+        visibility_timeout_ms: int,
+        *,
+        max_attempts: int = 0,
+        retry_backoff: str = "",
     ) -> None:
         """Every check `create_queue` makes (scripts compiled), creating nothing: cluster
         mode runs them before it claims the name in etcd."""
-        self._plan_create(name, on_enqueue, on_failure, visibility_timeout_ms)
+        self._plan_create(
+            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        )
 
     def _plan_create(
-        self, name: str, on_enqueue: str, on_failure: str, visibility_timeout_ms: int
+        self,
+        name: str,
+        on_enqueue: str,
+        on_failure: str,
+        visibility_timeout_ms: int,
+        max_attempts: int,
+        retry_backoff: str,
     ) -> tuple[QueueRecord, QueueHooks | None, QueueRecord]:
         self.broker.check_open()
         validate_queue_name(name)
@@ -136,13 +197,18 @@ class Administration:
                 f"the broker holds {len(self.broker.queues) // 2} queues, the limit is {limit} "
                 "(server.max_queues)"
             )
-        timeout = visibility_timeout_ms or DEFAULT_VISIBILITY_TIMEOUT_MS
-        if timeout > MAX_VISIBILITY_TIMEOUT_MS:
-            raise InvalidArgument(
-                f"visibility_timeout_ms {timeout} is over the limit of {MAX_VISIBILITY_TIMEOUT_MS}"
-            )
+        timeout = _visibility_timeout(visibility_timeout_ms)
         now = self.broker.clock.now_ms()
-        record = QueueRecord(name, on_enqueue, on_failure, timeout, "", now)
+        record = QueueRecord(
+            name,
+            on_enqueue,
+            on_failure,
+            timeout,
+            "",
+            now,
+            max_attempts=retry.stored_max_attempts(max_attempts),
+            retry_backoff=str(retry.Backoff.parse(retry_backoff)),
+        )
         hooks = self._make_hooks(record)
         dlq_created_ms = orphan.record.created_at_ms if orphan is not None else now
         return record, hooks, dlq_record(record, dlq_created_ms)
@@ -168,6 +234,57 @@ class Administration:
     def list_queues(self) -> list[Queue]:
         return sorted(self.broker.queues.values(), key=lambda q: q.name)
 
+    def get_queue(self, name: str) -> Queue:
+        return self.broker.queue(name)
+
+    def update_queue(
+        self, name: str, changes: Mapping[str, str | int]
+    ) -> tuple[QueueRecord, asyncio.Future[None]]:
+        """Changes the named fields of a queue's configuration (names and wire values
+        as in `QueueConfig`), all checked (scripts compiled) before anything changes.
+        Messages enqueued after this returns see the new configuration; leases already
+        granted keep their deadlines. A DLQ has no hooks or retry policy of its own:
+        only its visibility timeout can change."""
+        self.broker.check_open()
+        queue = self.broker.queue(name)
+        unknown = sorted(changes.keys() - UPDATABLE)
+        if unknown:
+            raise InvalidArgument(
+                f'cannot update "{clip(unknown[0])}": the fields are {", ".join(UPDATABLE)}'
+            )
+        if not changes:
+            raise InvalidArgument(f"nothing to update: name a field ({', '.join(UPDATABLE)})")
+        record = queue.record
+        if record.dlq_of and changes.keys() - {"visibility_timeout_ms"}:
+            raise InvalidArgument(
+                f'queue "{name}" is a dead-letter queue: only its visibility_timeout_ms can '
+                f'change (its messages are redriven through "{record.dlq_of}")'
+            )
+        updated = replace(record)
+        for field, value in changes.items():
+            if field == "visibility_timeout_ms":
+                updated = replace(updated, visibility_timeout_ms=_visibility_timeout(int(value)))
+            elif field == "max_attempts":
+                updated = replace(updated, max_attempts=retry.stored_max_attempts(int(value)))
+            elif field == "retry_backoff":
+                backoff = str(retry.Backoff.parse(str(value)))
+                updated = replace(updated, retry_backoff=backoff)
+            elif field == "on_enqueue_script":
+                updated = replace(updated, on_enqueue_script=str(value))
+            else:
+                updated = replace(updated, on_failure_script=str(value))
+        hooks = queue.hooks
+        if (updated.on_enqueue_script, updated.on_failure_script) != (
+            record.on_enqueue_script,
+            record.on_failure_script,
+        ):
+            hooks = self._make_hooks(updated)
+        queue.record = updated
+        queue.hooks = hooks
+        self.broker.committer.put(keys.queue_key(name), updated.encode())
+        log.info("queue updated", extra={"queue": name, "fields": ",".join(sorted(changes))})
+        return updated, self.broker.committer.flushed()
+
     def stats(self, name: str) -> QueueStats:
         queue = self.broker.queue(name)
         drr_keys = queue.drr.keys
@@ -182,8 +299,18 @@ class Administration:
             ),
             key=lambda k: k.key,
         )
+        hook_errors, last_error, last_error_at_ms = 0, "", 0
+        if queue.hooks is not None:
+            for counters in queue.hooks.counters().values():
+                hook_errors += counters.failed
+                if counters.last_error_at_ms >= last_error_at_ms and counters.failed:
+                    last_error, last_error_at_ms = counters.last_error, counters.last_error_at_ms
         return QueueStats(
             depth=queue.depth,
+            delayed=len(queue.delayed),
+            hook_errors_total=hook_errors,
+            last_hook_error=last_error,
+            last_hook_error_at_ms=last_error_at_ms,
             in_flight=len(queue.leases),
             active_fairness_keys=len(drr_keys),
             active_consumers=len(queue.consumers),
@@ -301,11 +428,21 @@ class Administration:
     def peek(
         self, queue_name: str, limit: int, after_id: str, fairness_key: str
     ) -> tuple[list[messages_pb2.Message], str]:
-        """Ready, delayed and leased messages in id order, changing nothing.
+        """`peek_states` without the states: the page and the next `after_id`."""
+        page, _, next_after = self.peek_states(queue_name, limit, after_id, fairness_key)
+        return page, next_after
 
-        Returns the page and the id to pass as `after_id` for the next one (empty
-        at the end)."""
+    def peek_states(
+        self, queue_name: str, limit: int, after_id: str, fairness_key: str, state: int = 0
+    ) -> tuple[list[messages_pb2.Message], list[PeekedState], str]:
+        """Ready, delayed and leased messages in id order (only those in `state`, a
+        `MessageState` number, when it is set), changing nothing.
+
+        Returns the page, each message's state, and the id to pass as `after_id` for
+        the next page (empty at the end)."""
         queue = self.broker.queue(queue_name)
+        if state not in (0, *MessageState):
+            raise InvalidArgument(f"state {state} is not a message state (READY, DELAYED, LEASED)")
         limit = DEFAULT_PEEK if limit == 0 else min(limit, MAX_PEEK)
         after = b""
         if after_id:
@@ -313,9 +450,11 @@ class Administration:
             if raw is None:
                 raise InvalidArgument(f'after_id "{clip(after_id)}" is not a message id')
             after = keys.MESSAGE + raw
-        refs = list(itertools.islice(self._peek_candidates(queue, after, fairness_key), limit + 1))
+        candidates = self._peek_candidates(queue, after, fairness_key, state)
+        refs = list(itertools.islice(candidates, limit + 1))
         more = len(refs) > limit
         page: list[messages_pb2.Message] = []
+        states: list[PeekedState] = []
         size = 0
         for ref in refs[:limit]:
             record = self.broker.read_record(ref.key)
@@ -338,14 +477,23 @@ class Administration:
             lease = queue.leases.get(ref.key)
             if lease is not None:
                 message.timestamps.leased_at.FromMilliseconds(lease.leased_at_ms)
+                states.append(PeekedState(MessageState.LEASED, 0, lease.deadline_ms))
+            elif queue.delayed.get(ref.key) is ref:
+                due = self.broker.read_record(keys.delay_key(ref.key))
+                states.append(
+                    PeekedState(MessageState.DELAYED, keys.decode_due(due) if due else 0, 0)
+                )
+            else:
+                states.append(PeekedState(MessageState.READY, 0, 0))
             page.append(message)
         next_after = page[-1].id if more and page else ""
-        return page, next_after
+        return page, states, next_after
 
     def _peek_candidates(
-        self, queue: Queue, after: bytes, fairness_key: str
+        self, queue: Queue, after: bytes, fairness_key: str, state: int
     ) -> Iterator[MessageRef]:
-        """Every visible message of `queue` with a key above `after`, in key (id) order."""
+        """Every visible message of `queue` (in `state`, when set) with a key above
+        `after`, in key (id) order."""
 
         def wanted(refs: Iterable[MessageRef]) -> Iterator[MessageRef]:
             for ref in refs:
@@ -353,16 +501,19 @@ class Administration:
                     yield ref
 
         sources: list[Iterable[MessageRef]] = []
-        drr_keys = queue.drr.keys
-        ready_keys = (
-            ([drr_keys[fairness_key]] if fairness_key in drr_keys else [])
-            if fairness_key
-            else list(drr_keys.values())
-        )
-        for key in ready_keys:
-            sources.append(key.iter_from(after))
-        sources.append(sorted(wanted(queue.delayed.values()), key=_ref_key))
-        sources.append(sorted(wanted(lease.ref for lease in queue.leases), key=_ref_key))
+        if state in (0, MessageState.READY):
+            drr_keys = queue.drr.keys
+            ready_keys = (
+                ([drr_keys[fairness_key]] if fairness_key in drr_keys else [])
+                if fairness_key
+                else list(drr_keys.values())
+            )
+            for key in ready_keys:
+                sources.append(key.iter_from(after))
+        if state in (0, MessageState.DELAYED):
+            sources.append(sorted(wanted(queue.delayed.values()), key=_ref_key))
+        if state in (0, MessageState.LEASED):
+            sources.append(sorted(wanted(lease.ref for lease in queue.leases), key=_ref_key))
         return heapq.merge(*sources, key=_ref_key)
 
     def purge(self, queue_name: str) -> tuple[int, asyncio.Future[None]]:

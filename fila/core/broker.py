@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random as _random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -49,10 +50,17 @@ from fila.core.ids import IdGenerator, parse_id
 from fila.core.quarantine import Quarantine
 from fila.core.queue import MAX_VISIBILITY_TIMEOUT_MS, Queue, validate_queue_name
 from fila.core.records import Lease, MessageRef
+from fila.core.retry import Random, policy_decision
 from fila.core.runtime_config import RuntimeConfig
 from fila.core.throttle import Throttles
 from fila.core.timers import Timers
-from fila.lua.hooks import DEFAULT_ENQUEUE, DEFAULT_FAILURE, EnqueueDecision, LuaLimits
+from fila.lua.hooks import (
+    DEFAULT_ENQUEUE,
+    DEFAULT_FAILURE,
+    EnqueueDecision,
+    FailureDecision,
+    LuaLimits,
+)
 from fila.storage import keys
 from fila.storage.backend import Storage, StorageError
 from fila.storage.committer import Committer
@@ -120,8 +128,11 @@ class Broker:
         *,
         loop_driven_timers: bool = True,
         on_storage_failure: Callable[[StorageError], None] | None = None,
+        random: Random = _random.random,
     ) -> None:
+        """`random`: the draw for retry backoff jitter (tests pin it)."""
         self.storage = storage
+        self.random = random
         self.committer = committer
         self.settings = settings
         self.clock = clock
@@ -428,10 +439,19 @@ class Broker:
         """A StreamConsume stream ended holding a delivered message: it failed an attempt
         (like an expiry, without running on_failure) and is ready again at once."""
         queue.counters.expired += 1
-        self._fail(queue, lease, "consumer stream ended", run_hook=False)
+        self._fail(queue, lease, "consumer stream ended", run_hook=False, wait=False)
 
-    def _fail(self, queue: Queue, lease: Lease, error: str, *, run_hook: bool) -> None:
+    def _fail(
+        self, queue: Queue, lease: Lease, error: str, *, run_hook: bool, wait: bool = True
+    ) -> None:
         """A delivery failed: count the attempt, then retry now, later, or dead-letter.
+
+        Who decides: a queue with an `on_failure` hook decides as it always did (the
+        hook on a nack, `run_hook`, with its own fallbacks; at once otherwise); a queue
+        without one goes by its retry policy (`fila.core.retry`; at once, but still
+        dead-lettered when its attempts are used up, when not `wait`). The message
+        keeps why and when it failed (`last_error`, `last_failed_at`,
+        `dead_lettered_at`).
 
         Everything that can fail (reading the record, the hook) happens before
         anything changes, so a failure here leaves the lease as it was. A record that
@@ -454,27 +474,41 @@ class Broker:
             self.quarantine.set_aside(self.committer, ref.key, record, str(exc))
             return
         attempts = ref.attempt_count + 1
-        decision = DEFAULT_FAILURE
+        error = _truncate(error, MAX_ERROR_BYTES)
         hooks = queue.hooks
-        if run_hook and hooks is not None and hooks.has_on_failure:
-            error = _truncate(error, MAX_ERROR_BYTES)
+        if hooks is None or not hooks.has_on_failure:
+            decision = self._policy(queue, attempts, wait)
+        elif run_hook:
             decision = hooks.on_failure(ref.id, message.headers, attempts, error)
+        else:
+            decision = DEFAULT_FAILURE
         dlq_name = queue.dlq_name
         dlq = self.queues.get(dlq_name) if dlq_name and decision.action == "dlq" else None
 
         queue.leases.end(lease)
+        now_ms = self.clock.now_ms()
         ref.attempt_count = attempts
-        message.metadata.attempt_count = attempts
+        metadata = message.metadata
+        metadata.attempt_count = attempts
+        metadata.last_error = error
+        metadata.last_failed_at.FromMilliseconds(now_ms)
         if dlq is not None:
-            message.metadata.queue_id = dlq.name
+            metadata.queue_id = dlq.name
+            metadata.dead_lettered_at.FromMilliseconds(now_ms)
         self.committer.put(ref.key, stored.rebuild_message(message))
         if dlq is not None:
             queue.counters.dead_lettered += 1
             self.ready_after_commit(dlq, [ref], fresh=False)
         elif decision.delay_ms > 0:
-            self.delay(queue, ref, self.clock.now_ms() + decision.delay_ms)
+            self.delay(queue, ref, now_ms + decision.delay_ms)
         else:
             self.ready_after_commit(queue, [ref], fresh=False)
+
+    def _policy(self, queue: Queue, attempts: int, wait: bool) -> FailureDecision:
+        record = queue.record
+        return policy_decision(
+            record.max_attempts, record.retry_backoff, attempts, self.random, wait=wait
+        )
 
     # -- lifecycle -----------------------------------------------------------------
 

@@ -50,7 +50,11 @@ def validate_queue_name(name: str) -> None:
 
 @dataclass(frozen=True, slots=True)
 class QueueRecord:
-    """What is persisted about a queue (its messages are stored separately)."""
+    """What is persisted about a queue (its messages are stored separately).
+
+    `max_attempts` (0 = no limit) and `retry_backoff` are the retry policy of a queue
+    without an `on_failure` hook (`fila.core.retry`); a record stored before they
+    existed reads as no limit and "none", so such a queue behaves as it did."""
 
     name: str
     on_enqueue_script: str = ""
@@ -58,6 +62,8 @@ class QueueRecord:
     visibility_timeout_ms: int = 30_000
     dlq_of: str = ""
     created_at_ms: int = 0
+    max_attempts: int = 0
+    retry_backoff: str = "none"
 
     def encode(self) -> bytes:
         return json.dumps(asdict(self), separators=(",", ":")).encode()

@@ -38,7 +38,13 @@ class KeyStats:
 
 @dataclass(frozen=True, slots=True)
 class QueueStats:
-    depth: int
+    depth: int  # ready + delayed (leased messages are in_flight)
+    delayed: int
+    # run-time failures of the queue's hooks since the broker started (or the hooks
+    # last changed), the last one's text and time (0: none)
+    hook_errors_total: int
+    last_hook_error: str
+    last_hook_error_at_ms: int
     in_flight: int
     active_fairness_keys: int
     active_consumers: int

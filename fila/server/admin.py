@@ -7,11 +7,16 @@ gets INVALID_ARGUMENT here too.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
 
+from fila.core import retry
+from fila.core.administration import UPDATABLE
 from fila.core.broker import Broker
+from fila.core.errors import InvalidArgument, clip
+from fila.core.queue import QueueRecord
 from fila.security.keyring import Keyring
 from fila.server import access, rpc
 from fila.server.rpc import Context
@@ -19,6 +24,36 @@ from fila.v1 import admin_pb2
 from fila.wire import dlq_owner
 
 SERVICE_NAME = "fila.v1.FilaAdmin"
+
+
+def queue_config(record: QueueRecord) -> admin_pb2.QueueConfig:
+    """A queue's configuration as GetQueue and UpdateQueue answer it: every value in
+    force (defaults resolved; no attempt limit is `max_attempts` 2^32-1)."""
+    return admin_pb2.QueueConfig(
+        on_enqueue_script=record.on_enqueue_script,
+        on_failure_script=record.on_failure_script,
+        visibility_timeout_ms=record.visibility_timeout_ms,
+        max_attempts=retry.wire_max_attempts(record.max_attempts),
+        retry_backoff=record.retry_backoff,
+    )
+
+
+def config_changes(
+    config: admin_pb2.QueueConfig, update_mask: Sequence[str]
+) -> dict[str, str | int]:
+    """The fields an UpdateQueue names (`config.x` or `x`), with their values; an
+    empty mask names every field `config` sets (scripts are cleared only by name)."""
+    names = [path.removeprefix("config.") for path in update_mask]
+    if not names:
+        names = [field.name for field, _ in config.ListFields()]
+    changes: dict[str, str | int] = {}
+    for name in names:
+        if name not in UPDATABLE:
+            raise InvalidArgument(
+                f'update_mask names "{clip(name)}"; the fields are {", ".join(UPDATABLE)}'
+            )
+        changes[name] = getattr(config, name)
+    return changes
 
 
 class FilaAdmin:
@@ -35,8 +70,27 @@ class FilaAdmin:
             config.on_enqueue_script,
             config.on_failure_script,
             config.visibility_timeout_ms,
+            max_attempts=config.max_attempts,
+            retry_backoff=config.retry_backoff,
         )
         return admin_pb2.CreateQueueResponse(queue_id=request.name)
+
+    async def get_queue(
+        self, request: admin_pb2.GetQueueRequest, context: Context
+    ) -> admin_pb2.GetQueueResponse:
+        queue = self._broker.admin.get_queue(request.queue)
+        return admin_pb2.GetQueueResponse(
+            name=queue.name, config=queue_config(queue.record), dlq=queue.dlq_name or ""
+        )
+
+    async def update_queue(
+        self, request: admin_pb2.UpdateQueueRequest, context: Context
+    ) -> admin_pb2.UpdateQueueResponse:
+        record, committed = self._broker.admin.update_queue(
+            request.queue, config_changes(request.config, request.update_mask)
+        )
+        await committed
+        return admin_pb2.UpdateQueueResponse(config=queue_config(record))
 
     async def delete_queue(
         self, request: admin_pb2.DeleteQueueRequest, context: Context
@@ -64,7 +118,7 @@ class FilaAdmin:
     ) -> admin_pb2.GetStatsResponse:
         stats = self._broker.admin.stats(request.queue)
         counters = stats.counters
-        return admin_pb2.GetStatsResponse(
+        response = admin_pb2.GetStatsResponse(
             depth=stats.depth,
             in_flight=stats.in_flight,
             active_fairness_keys=stats.active_fairness_keys,
@@ -92,7 +146,13 @@ class FilaAdmin:
             nacked_total=counters.nacked,
             expired_total=counters.expired,
             dead_lettered_total=counters.dead_lettered,
+            delayed=stats.delayed,
+            hook_errors_total=stats.hook_errors_total,
+            last_hook_error=stats.last_hook_error,
         )
+        if stats.last_hook_error_at_ms:
+            response.last_hook_error_at.FromMilliseconds(stats.last_hook_error_at_ms)
+        return response
 
     async def set_config(
         self, request: admin_pb2.SetConfigRequest, context: Context
@@ -128,10 +188,17 @@ class FilaAdmin:
     async def peek_messages(
         self, request: admin_pb2.PeekMessagesRequest, context: Context
     ) -> admin_pb2.PeekMessagesResponse:
-        messages, next_after = self._broker.admin.peek(
-            request.queue, request.limit, request.after_id, request.fairness_key
+        messages, states, next_after = self._broker.admin.peek_states(
+            request.queue, request.limit, request.after_id, request.fairness_key, request.state
         )
-        return admin_pb2.PeekMessagesResponse(messages=messages, next_after_id=next_after)
+        response = admin_pb2.PeekMessagesResponse(messages=messages, next_after_id=next_after)
+        for peeked in states:
+            entry = response.states.add(state=int(peeked.state))
+            if peeked.ready_at_ms:
+                entry.ready_at.FromMilliseconds(peeked.ready_at_ms)
+            if peeked.lease_deadline_ms:
+                entry.lease_deadline.FromMilliseconds(peeked.lease_deadline_ms)
+        return response
 
     async def purge_queue(
         self, request: admin_pb2.PurgeQueueRequest, context: Context
@@ -219,6 +286,8 @@ class FilaAdmin:
             "SetAcl": (a.SetAclRequest, self.set_acl),
             "GetAcl": (a.GetAclRequest, self.get_acl),
             "ClusterStatus": (a.ClusterStatusRequest, self.cluster_status),
+            "GetQueue": (a.GetQueueRequest, self.get_queue),
+            "UpdateQueue": (a.UpdateQueueRequest, self.update_queue),
         }
         handlers = {name: rpc.unary(name, cls, fn) for name, (cls, fn) in table.items()}
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

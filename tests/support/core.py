@@ -9,10 +9,11 @@ so a test can move time by an hour in a microsecond and count storage writes.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from fila.config import Config
+from fila.core import retry
 from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import ManualClock
 from fila.core.consumers import Consumer
@@ -67,9 +68,16 @@ class CoreBroker:
 
 
 def make_core(
-    *, persist_mode: str = "buffer", config: Config | None = None, queues: Sequence[str] = ()
+    *,
+    persist_mode: str = "buffer",
+    config: Config | None = None,
+    queues: Sequence[str] = (),
+    random: Callable[[], float] = lambda: 0.5,
 ) -> CoreBroker:
-    """A broker over memory; call inside a running event loop."""
+    """A broker over memory; call inside a running event loop. `queues` are created
+    with no attempt limit and immediate retries (the retry policy of queues created
+    before it existed), so tests of other concerns see a nack come back at once;
+    `random` is the retry jitter's draw (0.5: no jitter)."""
     storage = MemoryStorage()
     clock = ManualClock()
     committer = Committer(storage, persist_mode, lambda exc: None)  # type: ignore[arg-type]
@@ -79,9 +87,12 @@ def make_core(
         BrokerSettings.from_config(config or Config()),
         clock,
         loop_driven_timers=False,
+        random=random,
     )
     for name in queues:
-        broker.admin.create_queue(name, "", "", 1000)
+        broker.admin.create_queue(
+            name, "", "", 1000, max_attempts=retry.UNLIMITED, retry_backoff=retry.NONE
+        )
     return CoreBroker(broker, storage, clock, committer)
 
 
@@ -96,5 +107,6 @@ def restarted(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroke
         core.clock,
         loop_driven_timers=False,
     )
+    broker.random = core.broker.random
     report = recover(broker)
     return CoreBroker(broker, core.storage, core.clock, committer), report
