@@ -165,7 +165,8 @@ def test_values_past_what_the_wire_carries_are_one_line_too(server: ServerProces
     ok(server, "queue", "create", name)
     assert "out of range" in fails(server, "redrive", f"{name}.dlq", "--count", str(2**64))
     assert "out of range" in fails(server, "enqueue", name, "--delay", f"{2**64}ms", "x")
-    assert "out of range" in fails(server, "queue", "peek", name, "-n", str(2**63))
+    # a count past the wire is fine: peek asks for pages of at most 1,000
+    assert "No messages" in ok(server, "queue", "peek", name, "-n", str(2**63))
     assert "out of range" in fails(server, "apikey", "create", "k", "--expires-in", "999999999d")
     assert "not valid text" in fails(server, "queue", "create", "\udcff")
     assert "not valid text" in fails(server, "enqueue", name, "-H", "k=\udcff", "x")

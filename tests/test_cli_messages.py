@@ -116,7 +116,7 @@ def test_peek_shows_messages_in_id_order_with_count_and_key(
 
     table = ok(server, "queue", "peek", name, "--count", "2")
     assert ids[0] in table and ids[1] in table and ids[2] not in table
-    assert '"m0"' in table and "tenant=b" in table and "queued" in table
+    assert '"m0"' in table and "tenant=b" in table and "ready" in table
     empty = unique("empty")
     client.create_queue(empty)
     assert ok(server, "queue", "peek", empty) == f'No messages in "{empty}".\n'

@@ -479,15 +479,21 @@ class Administration:
                 message.timestamps.leased_at.FromMilliseconds(lease.leased_at_ms)
                 states.append(PeekedState(MessageState.LEASED, 0, lease.deadline_ms))
             elif queue.delayed.get(ref.key) is ref:
-                due = self.broker.read_record(keys.delay_key(ref.key))
-                states.append(
-                    PeekedState(MessageState.DELAYED, keys.decode_due(due) if due else 0, 0)
-                )
+                states.append(PeekedState(MessageState.DELAYED, self._due_ms(ref), 0))
             else:
                 states.append(PeekedState(MessageState.READY, 0, 0))
             page.append(message)
         next_after = page[-1].id if more and page else ""
         return page, states, next_after
+
+    def _due_ms(self, ref: MessageRef) -> int:
+        """When a delayed message becomes ready, from its side record (0: not readable
+        yet, or damaged: peek changes nothing and reports what it can)."""
+        raw = self.broker.read_record(keys.delay_key(ref.key))
+        try:
+            return stored.decode_due(raw) if raw is not None else 0
+        except stored.BadRecord:
+            return 0
 
     def _peek_candidates(
         self, queue: Queue, after: bytes, fairness_key: str, state: int
