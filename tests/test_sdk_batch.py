@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from support import ServerFactory
+from support import ServerFactory, wait_until
 from support.sdk_fakes import batch_ids, fake_broker, numbered_ids, unary
 
 from fila.server.process import ServerProcess
@@ -356,10 +356,9 @@ def test_prefetch_bounds_what_a_consumer_holds(client: Client) -> None:
     client.enqueue_many(name, [b"x"] * 30)
     stream = client.consume(name, prefetch=7, max_batch=5)
     first = next(stream)
-    deadline = time.monotonic() + DEADLINE_S
-    while client.get_stats(name).in_flight < 7 and time.monotonic() < deadline:
-        time.sleep(0.02)
-    time.sleep(0.2)  # would more arrive? (the bound must hold, not just be reached)
+    # The broker leases a stream its whole allowance in one go: once 7 are out, more
+    # would already be (the in-process tests pin the bound exactly).
+    wait_until(lambda: client.get_stats(name).in_flight >= 7, DEADLINE_S)
     assert client.get_stats(name).in_flight == 7
     client.ack(name, first.id)
     rest = [next(stream) for _ in range(7)]  # 6 held + 1 sent after the ack freed a slot
@@ -484,13 +483,16 @@ def test_extend_lease_keeps_a_message_past_its_visibility_timeout(
         name = unique("extend")
         c.create_queue(name, visibility_timeout_ms=500)
         msg_id = c.enqueue(name, None, b"long job")
-        message = take(c, name, 1)[0]
-        deadline = c.extend_lease(name, message.id, timedelta(seconds=3))
+        c.enqueue(name, None, b"control: leased with it, not extended")
+        message, _control = take(c, name, 2)
+        assert message.id == msg_id
+        deadline = c.extend_lease(name, message.id, timedelta(seconds=30))
         assert deadline.tzinfo is not None
-        assert abs((deadline - datetime.now(UTC)).total_seconds() - 3) < 1.0
-        time.sleep(1.0)  # twice the visibility timeout
+        assert abs((deadline - datetime.now(UTC)).total_seconds() - 30) < 1.0
+        # The control's lease runs out on the broker's clock; the extended one is kept.
+        wait_until(lambda: c.get_stats(name).expired_total >= 1, DEADLINE_S)
         stats = c.get_stats(name)
-        assert (stats.in_flight, stats.depth) == (1, 0), "the extended lease expired"
+        assert (stats.in_flight, stats.depth) == (1, 1), "the extended lease expired"
         default = c.extend_lease(name, message.id)  # None: the queue's 500 ms again
         assert (default - datetime.now(UTC)).total_seconds() < 1.0
         c.ack(name, msg_id)

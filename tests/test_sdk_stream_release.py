@@ -13,6 +13,7 @@ returned the unsent leases, and the return value was dropped. Main has since spl
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import grpc
@@ -22,10 +23,37 @@ import pytest
 from fila.server.process import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
+# Well inside the 30 s visibility timeout the leases would otherwise be held for.
+PROMPT_S = 5.0
+
 
 async def _stats(admin: admin_pb2_grpc.FilaAdminAsyncStub, queue: str) -> tuple[int, int]:
     stats = await admin.GetStats(admin_pb2.GetStatsRequest(queue=queue), timeout=10)
     return stats.depth, stats.in_flight
+
+
+async def _until_stats(
+    admin: admin_pb2_grpc.FilaAdminAsyncStub, queue: str, wanted: tuple[int, int]
+) -> None:
+    """Waits until (depth, in_flight) is `wanted`; fails after PROMPT_S with the last."""
+    deadline = time.monotonic() + PROMPT_S
+    while (seen := await _stats(admin, queue)) != wanted:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{queue}: (depth, in_flight) {seen}, wanted {wanted}")
+        await asyncio.sleep(0.02)
+
+
+async def _leased_when_settled(admin: admin_pb2_grpc.FilaAdminAsyncStub, queue: str) -> int:
+    """The queue's leases once the broker has given the stream all it will (in_flight
+    above 0 and the same over 0.1 s): the stream's buffer and the transport are full."""
+    deadline = time.monotonic() + PROMPT_S
+    last = (-1, -1)
+    while (seen := await _stats(admin, queue)) != last or seen[1] == 0:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{queue}: leases still changing, last {seen}")
+        last = seen
+        await asyncio.sleep(0.1)
+    return seen[1]
 
 
 def test_unsent_leases_return_when_a_settlement_names_an_unknown_id(
@@ -52,8 +80,7 @@ def test_unsent_leases_return_when_a_settlement_names_an_unknown_id(
                 async for _ in call:
                     pass
             assert ended.value.code() == grpc.StatusCode.NOT_FOUND
-            await asyncio.sleep(0.5)
-            assert await _stats(admin, "nf") == (10, 0)  # was (0, 10) for 30 s
+            await _until_stats(admin, "nf", (10, 0))  # was (0, 10) for 30 s
 
     asyncio.run(scenario())
 
@@ -74,13 +101,13 @@ def test_unsent_leases_return_when_the_client_half_closes(server: ServerProcess)
                 await service.Enqueue(request, timeout=10)
             call = service.StreamConsume()
             await call.write(service_pb2.StreamConsumeRequest(queue="hc", prefetch=12))
-            await asyncio.sleep(0.5)
+            leased = await _leased_when_settled(admin, "hc")
             await call.done_writing()
             received = 0
             async for frame in call:
                 received += frame.HasField("message")
-            await asyncio.sleep(0.5)
+            assert received < leased, "no lease was unsent at the half-close: nothing tested"
             # every delivered message came back as a failed attempt, and so must the rest
-            assert await _stats(admin, "hc") == (12, 0)  # was (4, 8), 4 received
+            await _until_stats(admin, "hc", (12, 0))  # was (4, 8), 4 received
 
     asyncio.run(scenario())

@@ -427,10 +427,23 @@ def test_traceparent_makes_the_broker_span_join_the_callers_trace(
                 sdk_context = span.get_span_context()
             with Client(server.addr) as client:
                 client.enqueue("traced", None, b"no span around this one")
+            # A last traced call: spans are exported in the order their calls ended, so
+            # once its span is there, a span of any call above would be too.
+            last_parent = parent_id + 2
+            fila.svc.Enqueue(
+                service_pb2.EnqueueRequest(queue="traced", payload=b"last"),
+                metadata=traced_metadata(trace_id, last_parent),
+                timeout=RPC_TIMEOUT_S,
+            )
 
-            wait_until(lambda: len(receiver.spans()) >= 3, PROMPT_S, what="spans exported")
-            time.sleep(0.5)  # anything else would have been exported in the same batch
-        spans = receiver.spans()
+            def last_exported() -> bool:
+                parents = {int.from_bytes(s.parent_span_id, "big") for s in receiver.spans()}
+                return last_parent in parents
+
+            wait_until(last_exported, PROMPT_S, what="the last traced call's span exported")
+        spans = [
+            s for s in receiver.spans() if int.from_bytes(s.parent_span_id, "big") != last_parent
+        ]
     assert len(spans) == 3, [(s.name, s.trace_id.hex()) for s in spans]
     by_parent = {int.from_bytes(s.parent_span_id, "big"): s for s in spans}
 
