@@ -29,7 +29,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_sdk import AsyncClient, Message, Worker
 
 PAYLOAD = b"x" * 1024

@@ -42,7 +42,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from fila.server.process import ServerStartError
+from fila.testing.server import ServerStartError
 from fila_bench.case import Case, Context, ratio_name
 from fila_bench.cpus import Placement, pin_process
 from fila_bench.echo import ECHO_CASE, EchoCeiling, echo_ceiling

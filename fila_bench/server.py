@@ -19,7 +19,8 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from fila.config import PersistMode
-from fila.server.process import ServerProcess, free_port
+from fila.testing.children import free_port
+from fila.testing.server import ServerProcess
 from fila_bench.case import Context
 from fila_bench.cpus import pin_process
 from fila_bench.load import background

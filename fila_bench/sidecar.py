@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import grpc
 import grpc.aio
 
-from fila.server.process import free_port
+from fila.testing.children import free_port
 from fila_bench.cpus import pin_process
 
 _READY_TIMEOUT_S = 20.0

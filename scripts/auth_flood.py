@@ -32,7 +32,7 @@ from pathlib import Path
 import grpc
 import grpc.aio
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 QUEUE = "flood"

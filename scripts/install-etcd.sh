@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs Debian's etcd-server (etcd 3.4, /usr/bin/etcd) for cluster mode's tests and
 # benchmark, which start their own etcd members on free ports with their own data
-# directories (fila.cluster.etcd_process) and never use a system etcd: where an init
+# directories (fila.testing.etcd) and never use a system etcd: where an init
 # system starts the package's service, it is stopped again. Idempotent; uses sudo
 # when not root (scripts/system.sh). Also makes sure `ip` (iproute2) is there: the
 # fencing test builds network namespaces.

@@ -44,8 +44,6 @@ import asyncio
 import contextlib
 import os
 import shutil
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -65,19 +63,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
+from fila.testing.children import free_port, stop_child
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 REPO = Path(__file__).resolve().parent.parent
 PAYLOAD = b"x" * 1024
 WORKLOADS = ("enqueue", "enqueue_batch", "stream_consume")
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def cpu_seconds(pid: int) -> float:
@@ -128,13 +120,7 @@ class Broker:
     prometheus_port: int | None = None
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_child(self.proc, 30)
         shutil.rmtree(self.root, ignore_errors=True)
 
 

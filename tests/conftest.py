@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from support import ServerFactory
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 
 # The CLI tests press Ctrl-C (SIGINT) as a terminal does. A suite started in the
 # background by a non-interactive shell (`./scripts/test.sh &`) inherits SIGINT

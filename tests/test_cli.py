@@ -24,7 +24,8 @@ from support.cli import (
 from fila import __version__
 from fila.cli import cli
 from fila.cli.context import Command
-from fila.server.process import ServerProcess, free_port
+from fila.testing.children import free_port
+from fila.testing.server import ServerProcess
 from fila_sdk import Client
 
 ON_ENQUEUE = """

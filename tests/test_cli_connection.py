@@ -17,7 +17,8 @@ from support import ServerFactory
 from support.cli import clean_env, fails, fila, make_certs, ok, ok_json, run_fila
 
 from fila.cli.connection import CONNECT_TIMEOUT_S
-from fila.server.process import ServerProcess, free_port
+from fila.testing.children import free_port
+from fila.testing.server import ServerProcess
 
 
 def test_refused_says_no_broker_listens_and_fails_at_once() -> None:

@@ -14,7 +14,7 @@ import pytest
 from support.cli import clean_env, fails, fila, ok, ok_json, run_in_terminal, unique
 
 from fila.durations import parse_ms
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_sdk import Client, QueueNotFoundError
 
 

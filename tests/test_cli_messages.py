@@ -12,7 +12,7 @@ from support import wait_until
 from support.cli import Running, fails, fila, ok, ok_json, run_in_terminal, unique
 
 from fila.cli import raw
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_sdk import Client, Message
 
 TENANT_KEYS = 'function on_enqueue(m) return { fairness_key = m.headers.tenant or "none" } end'

@@ -12,7 +12,7 @@ from support import ServerFactory
 from support.cli import Running, fila, run_in_terminal, unique
 
 from fila.cli.rates import Sample, per_second, rates
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_sdk import Client, FairnessKeyStats, QueueStats
 
 DEADLINE_S = 30.0

@@ -56,8 +56,9 @@ from support.cluster import (
 )
 from support.stubs import RPC_TIMEOUT_S, Fila, error_kind, rpc_error, status_of
 
-from fila.cluster.etcd_process import EtcdCluster
-from fila.server.process import ServerStartError, free_port
+from fila.testing.children import free_port
+from fila.testing.etcd import EtcdCluster
+from fila.testing.server import ServerStartError
 from fila.v1 import admin_pb2, service_pb2
 from fila.wire import LEADER_ADDR_METADATA_KEY
 

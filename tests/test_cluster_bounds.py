@@ -31,7 +31,7 @@ from support.cluster import Cluster, cluster, require_etcd
 from support.h2raw import RawH2Connection
 from support.stubs import RPC_TIMEOUT_S
 
-from fila.cluster.etcd_process import EtcdCluster
+from fila.testing.etcd import EtcdCluster
 from fila.v1 import admin_pb2, service_pb2
 
 pytestmark = pytest.mark.cluster

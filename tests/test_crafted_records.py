@@ -24,9 +24,9 @@ from support.stubs import RPC_TIMEOUT_S, connect
 
 from fila.core.frames import varint
 from fila.core.records import message_id as id_of_key
-from fila.server.process import ServerProcess
 from fila.storage import keys
 from fila.storage.backend import Batch, RocksStorage
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, messages_pb2, service_pb2, service_pb2_grpc
 
 BOOT = "crafted-records-bootstrap-key"

@@ -19,8 +19,8 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from fila.config import Config
-from fila.server.process import free_port
 from fila.server.startup import ExitCode
+from fila.testing.children import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 UNIT = REPO / "deploy" / "fila.service"

@@ -29,9 +29,9 @@ from hypothesis import strategies as st
 from support.stubs import RPC_TIMEOUT_S, connect
 
 from fila.core.records import message_id as id_of_key
-from fila.server.process import ServerProcess
 from fila.storage import keys
 from fila.storage.backend import RocksStorage
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, messages_pb2, service_pb2
 
 EXAMPLES = int(os.environ.get("FILA_FUZZ_EXAMPLES", "200"))

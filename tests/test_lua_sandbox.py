@@ -42,7 +42,7 @@ from fila.lua.hooks import (
     QueueHooks,
 )
 from fila.lua.sandbox import ScriptError
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, messages_pb2, service_pb2
 
 T = 10.0

@@ -19,7 +19,7 @@ from support.cluster import Bearer
 from support.h2raw import RawH2Connection
 from support.stubs import RPC_TIMEOUT_S, Fila, connect
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, service_pb2
 from fila.v1.admin_pb2_grpc import FilaAdminStub
 from fila.v1.service_pb2_grpc import FilaServiceStub

@@ -43,9 +43,9 @@ from fila.config import Config, parse_config
 from fila.core.errors import InvalidArgument, QueueAlreadyExists
 from fila.core.queue import QueueRecord
 from fila.core.recovery import RecoveryReport
-from fila.server.process import ServerProcess
 from fila.storage import keys
 from fila.storage.backend import Batch, RocksStorage
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2
 
 TO_DLQ = 'function on_failure(m) return { action = "dlq" } end'

@@ -11,7 +11,7 @@ from support import wait_until
 from support.stubs import Fila, connect, rpc_error
 from support.timing import TimedConsumer, thread_sched
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, messages_pb2, service_pb2
 
 T = 10.0

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 
 PUBLISHED = "fila-python==0.2.0"
 

@@ -16,7 +16,7 @@ import pytest
 from support import ServerFactory, wait_until
 from support.cli import ok, ok_json, unique
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc
 from fila_sdk import UNLIMITED_ATTEMPTS, Client, InvalidArgumentError
 

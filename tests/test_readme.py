@@ -39,7 +39,7 @@ from typing import Final
 
 import pytest
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_sdk import Client
 
 REPO: Final = Path(__file__).resolve().parent.parent
@@ -65,7 +65,7 @@ readme_broker() {
   # A README line that starts the broker: the same command, on a free port and a
   # fresh data directory; what follows talks to it through FILA_ADDR.
   local port deadline
-  port=$("$README_PYTHON" -c 'from fila.server.process import free_port; print(free_port())')
+  port=$("$README_PYTHON" -c 'from fila.testing.children import free_port; print(free_port())')
   FILA_LISTEN_ADDR="127.0.0.1:$port" FILA_DATA_DIR="$README_TMP/data-$port" \
     "$@" >>"$README_TMP/brokers.log" 2>&1 &
   echo "$!" >>"$README_TMP/pids"

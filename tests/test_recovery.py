@@ -22,7 +22,7 @@ import pytest
 from support import ServerFactory, async_wait_until, wait_until
 from support.stubs import ConsumeStream, Fila, connect, rpc_error
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, messages_pb2, service_pb2, service_pb2_grpc
 
 RPC_S = 10.0

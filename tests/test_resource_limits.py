@@ -21,7 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerFactory, wait_until
 from support.stubs import RPC_TIMEOUT_S, Fila, connect, rpc_error
 
-from fila.server.process import ServerStartError
+from fila.testing.server import ServerStartError
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 PROMPT_S = 10.0

@@ -9,7 +9,7 @@ import pytest
 from support import ServerFactory
 from support.stubs import Fila, connect, rpc_error
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2
 
 T = 10.0

@@ -19,7 +19,8 @@ import grpc
 import pytest
 from support import ServerFactory
 
-from fila.server.process import ServerProcess, free_port
+from fila.testing.children import free_port
+from fila.testing.server import ServerProcess
 from fila.v1 import messages_pb2, service_pb2, service_pb2_grpc
 from fila_sdk import (
     AsyncClient,

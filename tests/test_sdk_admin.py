@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 from support import wait_until
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import service_pb2, service_pb2_grpc
 from fila_sdk import (
     AsyncClient,

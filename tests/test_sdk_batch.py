@@ -20,7 +20,7 @@ import pytest
 from support import ServerFactory, wait_until
 from support.sdk_fakes import batch_ids, fake_broker, numbered_ids, unary
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import service_pb2
 from fila_sdk import (
     AsyncClient,

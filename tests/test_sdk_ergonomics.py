@@ -13,7 +13,7 @@ import threading
 import pytest
 from support.worker import unique, wait
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_sdk import (
     ArgumentError,
     AsyncClient,

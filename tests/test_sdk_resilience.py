@@ -27,7 +27,7 @@ from support import ServerFactory
 from support import until as poll_until
 from support.sdk_fakes import fake_broker, silent_stream, sleeper, unary
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import service_pb2
 from fila_sdk import (
     AsyncClient,

@@ -20,7 +20,7 @@ import grpc
 import grpc.aio
 import pytest
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 
 # Well inside the 30 s visibility timeout the leases would otherwise be held for.

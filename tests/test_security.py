@@ -50,9 +50,9 @@ from fila.security.failures import (
 from fila.security.keyring import BOOTSTRAP_NAME, Keyring, Refusal
 from fila.security.keystore import LocalKeyStore, StoredKeys
 from fila.server.access import RULES, Scope
-from fila.server.process import ServerProcess
 from fila.storage.backend import MemoryStorage, RocksStorage
 from fila.storage.committer import Committer
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 from fila_sdk import (
     AclPermission,

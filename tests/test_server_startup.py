@@ -14,7 +14,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support import ServerFactory
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 
 STARTUP_LIMIT_S = 15.0
 

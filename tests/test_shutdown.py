@@ -15,7 +15,7 @@ from support import ServerFactory
 from support.cluster import cluster
 from support.stubs import connect
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import service_pb2, service_pb2_grpc
 
 # far longer than the stop may take, so waiting it out cannot pass

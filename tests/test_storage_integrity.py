@@ -24,9 +24,9 @@ from rocksdict import Rdict
 from support import ServerFactory
 from support.stubs import connect
 
-from fila.server.process import ServerProcess
 from fila.storage import keys, salvage
 from fila.storage.backend import Batch, CorruptionError, RocksStorage, rocks_options
+from fila.testing.server import ServerProcess
 
 DATA_DAMAGED = 4
 PROMPT_S = 10.0

@@ -32,7 +32,6 @@ from support.stubs import RPC_TIMEOUT_S, Fila, StreamConsumer, connect
 from fila.config import ConfigError, parse_config
 from fila.core.clock import ManualClock
 from fila.core.throttle import MAX_COUNTED_KEYS, OTHER_KEYS, Throttles
-from fila.server.process import ServerProcess, free_port
 from fila.telemetry.histogram import FixedHistogram
 from fila.telemetry.logs import (
     JsonFormatter,
@@ -40,6 +39,8 @@ from fila.telemetry.logs import (
     QuietLibraries,
     configure_logging,
 )
+from fila.testing.children import free_port
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
 from fila_sdk import Client
 

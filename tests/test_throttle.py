@@ -10,7 +10,7 @@ from __future__ import annotations
 from support.stubs import Fila, connect
 from support.timing import TimedConsumer, enqueue_many
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2
 
 T = 10.0

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.cli import make_certs
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 
 
 def _handshake(addr: str, ca: Path, client: tuple[Path, Path] | None = None) -> str:

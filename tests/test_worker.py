@@ -19,7 +19,7 @@ from support.sdk_fakes import ScriptedConsume, fake_broker
 from support.worker import DEADLINE_S, unique, until, wait
 from support.worker import counts as _counts
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila.v1 import messages_pb2
 from fila_sdk import (
     AsyncClient,

@@ -18,7 +18,7 @@ import pytest
 from support.worker import DEADLINE_S, unique, until, wait
 from support.worker import counts as _counts
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_sdk import AsyncClient, Client, ClientClosedError, Message, ThreadWorker, Worker
 from fila_sdk.batching import MAX_ERROR_BYTES, TRUNCATED_MARK
 from fila_sdk.retry import Backoff

@@ -33,8 +33,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fila.cluster.etcd_process import EtcdCluster
-from fila.server.process import ServerProcess, free_port
+from fila.testing.children import free_port
+from fila.testing.etcd import EtcdCluster
+from fila.testing.server import ServerProcess
 from fila_bench.case import Case, Context
 from fila_bench.conn import close_all, open_connections
 from fila_bench.cpus import pin_process

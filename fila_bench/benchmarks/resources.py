@@ -15,7 +15,7 @@ import asyncio
 import os
 import time
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 from fila_bench.case import Case, Context
 from fila_bench.conn import close_all, open_connections
 from fila_bench.load import (

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 
 # The `server_factory` fixture: make(config_toml=, env=, persist_mode=, start=, timeout=).
 ServerFactory = Callable[..., ServerProcess]

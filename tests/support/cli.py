@@ -26,7 +26,7 @@ import pytest
 from click.testing import CliRunner, Result
 
 from fila.cli import cli
-from fila.server.process import ServerProcess
+from fila.testing.server import ServerProcess
 
 PROCESS_TIMEOUT_S = 60.0
 

@@ -21,8 +21,9 @@ from typing import Any
 import grpc
 import pytest
 
-from fila.cluster.etcd_process import EtcdCluster, etcd_binary
-from fila.server.process import ServerProcess, free_port
+from fila.testing.children import free_port
+from fila.testing.etcd import EtcdCluster, etcd_binary
+from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2_grpc
 from support.stubs import Fila
 

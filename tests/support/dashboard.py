@@ -14,7 +14,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from fila.server.process import free_port
+from fila.testing.children import free_port, stop_child
 
 _REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -90,13 +90,8 @@ class DashboardProcess:
         return done.returncode, (done.stdout + done.stderr).decode(errors="replace")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_child(self.proc, 10)
 
     def log(self) -> str:
         try:

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +25,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 import fila
+from fila.testing.children import free_port, kill_child, stop_child
 
 _REPO_ROOT = Path(fila.__file__).resolve().parent.parent
 _LOG_TAIL_LINES = 40
@@ -43,14 +42,6 @@ _FAST_RECONNECT = [
 
 class ServerStartError(RuntimeError):
     """The broker exited or did not report SERVING before the deadline."""
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 class ServerProcess:
@@ -162,24 +153,15 @@ class ServerProcess:
         a hung shutdown fails the test instead of passing silently.
         """
         proc = self._started()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                raise TimeoutError(
-                    f"fila-server did not exit within {timeout}s of SIGTERM\n{self._tail()}"
-                ) from None
+        if not stop_child(proc, timeout):
+            raise TimeoutError(
+                f"fila-server did not exit within {timeout}s of SIGTERM\n{self._tail()}"
+            )
         return proc.returncode
 
     def kill(self) -> int:
         """SIGKILL (a crash) and wait; returns the exit code."""
-        proc = self._started()
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        return proc.returncode
+        return kill_child(self._started())
 
     def restart(self, timeout: float = 20.0) -> ServerProcess:
         """Stop if running, then start again on the same port and data directory."""

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import signal
 import subprocess
 import time
 import urllib.error
@@ -22,7 +21,7 @@ import urllib.request
 from pathlib import Path
 from types import TracebackType
 
-from fila.server.process import free_port
+from fila.testing.children import free_port, stop_child
 
 _START_ATTEMPTS = 3
 _ADDRESS_IN_USE = "address already in use"  # etcd's log line when a port was taken
@@ -175,15 +174,8 @@ class EtcdCluster:
         leadership over first; stopped all at once, it waited out etcd's request
         timeout (7 s) for a member that was exiting too, on every three-member stop."""
         for proc in self._procs:
-            if proc is None:
-                continue
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            if proc is not None:
+                stop_child(proc, timeout)
 
     def __enter__(self) -> EtcdCluster:
         return self.start()
