@@ -20,7 +20,22 @@ os.environ["GRPC_VERBOSITY"] = os.environ.get("FILA_GRPC_VERBOSITY", "NONE")
 if "FILA_GRPC_VERBOSITY" not in os.environ:
     os.environ.pop("GRPC_TRACE", None)
 
-# Imported only now, with the environment set.
-from fila.cli.app import cli, main
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from fila.cli.app import cli, main
 
 __all__ = ["cli", "main"]
+
+
+def __getattr__(name: str) -> Any:
+    """`cli` and `main`, imported on first use (so with the environment above set).
+
+    Not imported eagerly: `fila.cli.app` registers `fila dashboard`, whose module uses
+    a piece of this package (`fila.cli.durations`), so importing the dashboard first
+    (`python -m fila.dashboard`) would otherwise be a circular import."""
+    if name in __all__:
+        from fila.cli import app
+
+        return getattr(app, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
