@@ -66,9 +66,9 @@ class Batch:
 
     A plain list of operations rather than rocksdict's `WriteBatch`: rocksdict
     consumes a `WriteBatch` even when RocksDB refuses the write (a write stall), so
-    the retry in `RocksStorage.write` needs the operations again. Measured: with the
-    `WriteBatch` kept, the first stall stopped the broker ("this batch is already
-    consumed") under a 600 MiB burst.
+    the retry in `RocksStorage.write` needs the operations again. With the
+    `WriteBatch` kept, the first stall of a burst stopped the broker ("this batch is
+    already consumed"; docs/benchmarks.md, "Measurements behind design choices").
     """
 
     __slots__ = ("ops",)
@@ -176,8 +176,8 @@ class RocksStorage:
         """Applies `batch` (unsynced; `sync` makes it durable).
 
         rocksdict holds the GIL for the whole of a write, so a write RocksDB stalls
-        (while flushes catch up with a burst) used to freeze every thread of the broker,
-        the event loop included: measured 2 s of a frozen loop for a 2 s stall. With
+        (while flushes catch up with a burst) froze every thread of the broker, the
+        event loop included, for as long as the stall lasted. With
         `no_slowdown` RocksDB refuses such a write at once, untouched ("Write stall");
         it is retried after a sleep that releases the GIL, so only the writers wait.
         """
@@ -223,22 +223,21 @@ def rocks_options(direct_io: bool = False, *, create: bool = True) -> Options:
     - Background flushes and compactions get their own threads (2 jobs) at the
       lowest I/O priority (compactions also the lowest CPU priority), so they yield
       the disk and the event loop's core to the WAL and to requests.
-    - No rate limit on flushes and compactions: one (64 MiB/s) made a 600 MiB burst
-      outrun its flushes, and RocksDB then stopped all writes until a memtable was
-      flushed; a probe's enqueue waited 7.6 s at p99 during the burst and 0.7 s after
-      it, against 0.42 s and 0.08 s without (fila-bench system --only compaction).
+    - No rate limit on flushes and compactions: one (64 MiB/s) made a burst outrun
+      its flushes, and RocksDB then stopped all writes until a memtable was flushed,
+      so enqueues waited seconds during the burst and long after it.
     - Tables are written 256 KiB at a time (RocksDB's default is 1 MiB): with
-      O_DIRECT each piece is one request the WAL's small writes may queue behind.
-      Five alternating runs, after-burst p99 above at-rest 1.24 ms against 1.82
-      (medians), while the burst was written 11.7 ms against 15.7; 128 and 64 KiB
-      made the compactions after the burst longer (fila-bench system --only compaction).
+      O_DIRECT each piece is one request the WAL's small writes may queue behind, and
+      smaller pieces kept the p99 during and after a burst closer to rest; 128 and
+      64 KiB made the compactions after the burst longer.
     - 32 MiB memtables, up to 4, and a larger level-0 slowdown trigger keep write
       stalls away under a sustained burst.
     - With `direct_io` (where the filesystem allows O_DIRECT; see
       `supports_direct_io`), flushes and compactions write their tables around the
-      page cache. Buffered, right after a burst, the WAL's fdatasync took 6-19 ms
-      while tables were written and a probe's enqueue p99 was 20-35 ms; with O_DIRECT
-      4-7 ms (fila-bench system --only compaction; docs/benchmarks.md). Our reading:
+      page cache. Buffered, right after a burst, the WAL's fdatasync waited while
+      tables were written, and an enqueue's p99 with it; with O_DIRECT far less. The
+      figures for these choices: docs/benchmarks.md, "Measurements behind design
+      choices" (`fila-bench system --only compaction`). Our reading:
       buffered table pages are written back by the kernel's flusher threads, in
       bursts and outside the idle I/O priority given to RocksDB's threads, and the
       WAL's small writes queue behind them; O_DIRECT writes leave from those

@@ -1,10 +1,10 @@
 """The group committer every state change goes through.
 
-Why one committer: an fsync costs about 0.2 ms here, and a synced RocksDB write
-through rocksdict holds the GIL for its whole duration, so syncing inside the
-event loop would stall every other request for each fsync. Measured here with
-50 concurrent producers, syncing in the loop also formed batches of only ~1.3
-writes, because gRPC hands the loop about one request per turn.
+Why one committer: a synced RocksDB write through rocksdict holds the GIL for its
+whole duration, fsync included, so syncing inside the event loop would stall every
+other request for each fsync; and syncing in the loop formed batches of barely more
+than one write, because gRPC hands the loop about one request per turn (figures:
+docs/benchmarks.md, "Measurements behind design choices").
 
 So writes are split in two. Everything the broker changes during one turn of
 the event loop goes into one `WriteBatch`, appended to the WAL without fsync
@@ -163,8 +163,8 @@ class Committer:
 
         The thread is our own, fed by a `SimpleQueue` and answering with one
         `call_soon_threadsafe`, rather than an executor: `run_in_executor`'s two chained
-        futures cost about 4 us of the saturated core per message at 50 one-in-flight
-        producers (15-17 messages per sync), for nothing a single worker needs."""
+        futures cost the saturated core measurable time per message (docs/benchmarks.md),
+        for nothing a single worker needs."""
         covered = self._take_unsynced()
         if self._closed:
             self._finish_sync(covered, StorageError("WAL sync asked for after shutdown"))

@@ -25,20 +25,20 @@ fairness key.
 Messages are keyed by id alone, not by queue, so dead-lettering and redrive
 rewrite one value in place instead of moving it between keys.
 
-Message keys sort after every other key, and new ids after older ones, so a burst
-of enqueues writes tables whose key ranges overlap nothing already stored, and
-RocksDB moves them down the levels without rewriting them (a "trivial move"). With
-queue records under ``q`` (after ``m``), the table holding the newest stored
-messages also held the queue records, so its key range covered every later
-message: a 600 MiB burst then cost two compactions rewriting about 660 MB, the
-second one after the burst, and an enqueue's p99 rose 1.2-2.5 ms above its p99 at
-rest while it ran (7 runs). With this order no compaction rewrote anything and the
-p99 stayed within 0.5 ms of rest (6 runs; `fila-bench system --only compaction`,
-docs/benchmarks.md). Acks and leases still overlap older tables, so a burst with
-consumers acking meanwhile is still compacted. Hence upper-case ``Q`` and ``N``;
-a new record kind must also take a tag below ``m`` (tests/test_storage_layout.py
-checks). Data directories written with the older tags are moved over at startup
-(`fila.storage.layout`); `LEGACY_TAGS` are never to be reused.
+Message keys sort after every other key, and new ids after older ones, so a burst of
+enqueues writes tables whose key ranges overlap nothing already stored, and RocksDB
+moves them down the levels without rewriting them (a "trivial move"). With queue
+records under ``q`` (after ``m``), the table holding the newest stored messages also
+held the queue records, so its key range covered every later message: a burst then
+cost compactions rewriting about all it wrote, one of them after the burst, and an
+enqueue's p99 rose above its p99 at rest while they ran. With this order no
+compaction rewrote anything and the p99 stayed close to rest (figures:
+docs/benchmarks.md, "Measurements behind design choices"). Acks and leases still
+overlap older tables, so a burst with consumers acking meanwhile is still compacted.
+Hence upper-case ``Q`` and ``N``; a new record kind must also take a tag below ``m``
+(tests/test_storage_layout.py checks). Data directories written with the older tags
+are moved over at startup (`fila.storage.layout`); `LEGACY_TAGS` are never to be
+reused.
 """
 
 from __future__ import annotations

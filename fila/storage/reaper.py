@@ -1,13 +1,13 @@
 """Frees RocksDB's obsolete files a little at a time, so deleting one does not stall the WAL.
 
 Why: on a filesystem mounted with online discard (ext4 `discard` on this project's
-virtual disks), unlinking a file trims all its blocks in one go. Measured with
-strace on the broker: unlinking a 32 MiB WAL or table file took 8-15 ms, and an
-fdatasync of the WAL that arrived meanwhile waited for it (3-7 ms instead of
-0.3). RocksDB deletes a WAL file after every memtable flush and all the inputs of
-a compaction at once (14 tables, about 130 ms of trims, right after a burst), and
-those waits set the p99 of enqueues while RocksDB compacts. Truncating the same
-file 1 MiB at a time costs a concurrent fdatasync a fraction of a millisecond.
+virtual disks), unlinking a file trims all its blocks in one go, and an fdatasync
+of the WAL that arrives meanwhile waits for it. RocksDB deletes a WAL file after
+every memtable flush and all the inputs of a compaction at once, right after a
+burst, and those waits set the p99 of enqueues while RocksDB compacts. Truncating the
+same file `CHUNK_BYTES` at a time costs a concurrent fdatasync little (figures,
+measured with strace and perf trace on the broker: docs/benchmarks.md,
+"Measurements behind design choices").
 
 RocksDB's own remedy, the rate-limited deletion of `SstFileManager`, is not
 reachable through rocksdict. So the reaper keeps a second hard link (in
@@ -16,12 +16,10 @@ RocksDB deletes its name, the blocks stay allocated under ours, and the reaper
 shrinks the file chunk by chunk, then unlinks it.
 
 Trims never overlap the WAL's fsync: `RocksStorage.sync` runs inside `syncing`,
-which holds `quiet`, and each trim takes it. Measured (perf trace on the broker):
-without it, a series of trims (each 0.3-1 ms, 1 ms apart) held both the WAL's
-fdatasync and a compaction's for 29-43 ms, until the series ended. And each trim
+which holds `quiet`, and each trim takes it: without it, a series of trims held
+both the WAL's fdatasync and a compaction's until the series ended. And each trim
 follows the end of a sync, when the next one is furthest away (with no sync to
-follow, one runs every `IDLE_TRIM_S`): against trims 1 ms apart, the after-burst
-p99 excess fell from about 2.0 to 1.7 ms (docs/benchmarks.md).
+follow, one runs every `IDLE_TRIM_S`), which lowered the after-burst p99 further.
 
 Safety rests on one check: a file is truncated only while our link is its only
 name (`st_nlink == 1`). RocksDB never links an existing file, so once its name is
@@ -44,9 +42,9 @@ from pathlib import Path
 log = logging.getLogger("fila.storage")
 
 REAPED_SUFFIXES = (".sst", ".log", ".blob")  # tables, WAL files, blob files
-CHUNK_BYTES = 1024 * 1024  # trimmed per truncate: about 0.2 ms of discard here
+CHUNK_BYTES = 1024 * 1024  # trimmed per truncate: a short discard (docs/benchmarks.md)
 IDLE_TRIM_S = 0.002  # with no sync to follow, one trim this often: up to ~400 MiB/s
-SCAN_INTERVAL_S = 0.02  # a WAL file lives at least one memtable fill (~100 ms in a burst)
+SCAN_INTERVAL_S = 0.02  # well under a WAL file's life: one memtable fill, even in a burst
 _MTIME_TRUST_NS = 100_000_000  # well above the kernel's coarse clock tick
 
 

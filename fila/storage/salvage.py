@@ -300,8 +300,8 @@ def _key(position: int) -> bytes:
     is the key of the bytes before it; with anything after it, it lies between that
     key and its successor, the key plus a zero byte. Only the leading digits are
     written out, as many as it takes to meet the first zero one (during a search
-    about as many as the keys around it are long): writing out all 9,900 bits took
-    8 us a probe, twice the seek itself."""
+    about as many as the keys around it are long): writing out all 9,900 bits made a
+    probe cost more than the seek itself (docs/benchmarks.md)."""
     digits = _FIRST_DIGITS
     while True:
         shift = _POSITION_BITS - digits * _DIGIT_BITS
@@ -362,7 +362,7 @@ _DAMAGED_BLOCK = re.compile(r" in (.+) offset (\d+) size (\d+)\s*$")
 _BLOCK_TRAILER = 5  # after each table block: its compression type and checksum
 # Probes one search may spend telling damaged blocks apart; past them it treats every
 # two failures as one damaged span (the old search), so it always ends. The searches
-# seen need a few tens of thousands (16 us each); this is for errors that never repeat.
+# seen need far fewer (docs/benchmarks.md); this is for errors that never repeat.
 _PROBE_BUDGET = 1_000_000
 
 

@@ -4,14 +4,12 @@ In `sync` mode each answer waits for the committer's fsync thread: woken once a 
 is in the write-ahead log, it issues the fdatasync and hands the outcome back to the
 event loop. It needs the CPU for microseconds at a time, but needs it at once. At the
 process's own priority, on a core the event loop and gRPC keep busy, the scheduler
-let it wait its turn: with 50 one-in-flight producers and the broker on one core, a
-sync timed from Python took 0.80 ms where the kernel's fdatasync took 0.26 ms, and
-every answer of the group waited that much longer. Raised 15 nice levels, the same
-sync took 0.55-0.56 ms, and durable enqueue rose from 0.755-0.790 to 0.803-0.832 of
-buffered (`fila-bench system --only durable_over_buffered_50c`, three alternating
-rounds; docs/benchmarks.md). It cannot starve the rest of the broker: between its
-bursts it blocks on its queue or on the disk (about a tenth of a core at 12,500
-durable enqueues/s, most of that the kernel's fdatasync).
+let it wait its turn: a sync timed from Python took far longer than the kernel's
+fdatasync, and every answer of the group waited that much longer. Raised 15 nice
+levels, most of that wait goes and durable enqueue comes closer to buffered (figures:
+docs/benchmarks.md, "Measurements behind design choices"). It cannot starve the rest
+of the broker: between its bursts it blocks on its queue or on the disk, and it uses
+a small part of a core, most of that the kernel's fdatasync.
 
 This is the other end of what `fila.storage.backend` does for RocksDB's flushes and
 compactions, which run at the lowest priority so they yield to the WAL and requests.
