@@ -1,8 +1,9 @@
 """A fairness key: its DRR state and its ready messages, in id order, at ~20 bytes each.
 
 A backlog is mostly ready messages, and a Python object per message (a
-`MessageRef` and its key bytes) costs about 137 bytes: a million ready messages
-took 137 MB of the broker's memory before anything else. So a key's ready
+`MessageRef` and its key bytes) costs several times what the packed form does: with
+a million ready messages it was most of the broker's memory (figures:
+docs/benchmarks.md, "Measurements behind design choices"). So a key's ready
 messages are packed instead: their 16-byte ids side by side in one `bytearray`,
 and beside them, in an `array`, the index of their throttle-key tuple in a table
 the queue's DRR shares. The rare message that carries more (a retry's attempt

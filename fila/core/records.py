@@ -4,8 +4,8 @@ Only what scheduling needs lives here; id, headers and payload stay in storage
 and are read once, at delivery. There is one `MessageRef` per stored message,
 so it is slotted and small: the storage key doubles as the id (its 16 bytes are
 the UUIDv7), and the fairness key and throttle keys are shared objects (see
-`Drr.intern`), not per-message copies. That keeps a backlog of a million ready
-messages at about 130 bytes each.
+`Drr.intern`), not per-message copies (figures: docs/benchmarks.md, "Measurements
+behind design choices").
 """
 
 from __future__ import annotations

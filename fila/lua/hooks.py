@@ -116,7 +116,8 @@ class FailureLog:
 
     Unlimited, a hook failing for every second message logged a line per failure,
     each with up to `ERROR_TEXT_MAX` characters of the script's error text (which a
-    producer can choose through headers): 1,000 lines in 2.7 s from one client. Lines
+    producer can choose through headers), so one client could flood the log
+    (figures: docs/benchmarks.md, "Measurements behind design choices"). Lines
     over the rate are dropped and counted; the next line that gets through carries the
     count (`dropped_before`), so an operator still learns that, and how often, the hook
     fails. `fila_lua_executions_total{outcome="failed"}` counts every failure.

@@ -43,9 +43,10 @@ MAX_SCRIPT_BYTES = 256 * 1024
 
 def _bytecode(names: tuple[str, ...]) -> tuple[bytes, ...]:
     """The sandbox's modules, compiled once per process and dumped without debug
-    information. Every queue's state loads this bytecode: a state takes about 97 KB
-    instead of 127 KB, and 0.2 ms instead of 1 ms to build. Only this trusted bytecode
-    is ever loaded in binary mode; scripts are text only."""
+    information. Every queue's state loads this bytecode: a state is smaller and
+    several times faster to build than from source (figures: docs/benchmarks.md,
+    "Measurements behind design choices"). Only this trusted bytecode is ever loaded
+    in binary mode; scripts are text only."""
     runtime = lua54.LuaRuntime(encoding=None, register_eval=False, register_builtins=False)
     dump = runtime.eval(
         "function(src, name) return string.dump(assert(load(src, name, 't')), true) end"
@@ -229,8 +230,9 @@ class LuaSandbox:
             # It ran long where the budget is never checked (one instruction can: a chain
             # of __call metamethods is followed inside one OP_CALL) and finished before
             # the next check. Failing it lets the breaker stop a script that does it every
-            # time. Wall time, not the thread's CPU time: reading that clock twice cost
-            # about 1.5 us per call here, a third of a small hook; hence the margin.
+            # time. Wall time, not the thread's CPU time: reading that clock twice per
+            # call cost a large share of a small hook (docs/benchmarks.md); hence the
+            # margin.
             result = (False, BUDGET_EXHAUSTED)
         if result[0] is not True:
             # free what the failed call left, so the next call gets the whole cap

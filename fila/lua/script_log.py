@@ -1,9 +1,10 @@
 """Lua `print` output: marked, escaped, truncated and rate limited.
 
-A script's `print` used to write straight to the broker's stdout: three enqueues of a
-looping print produced 370 MB, and a script could write lines that look like the
-broker's own (`level=CRITICAL ...`). Now each `print` call becomes at most one INFO
-line on the `fila.lua` logger:
+Written straight to the broker's stdout, a looping `print` filled hundreds of
+megabytes in a few enqueues (docs/benchmarks.md, "Measurements behind design
+choices"), and a script could write lines that look like the broker's own
+(`level=CRITICAL ...`). Now each `print` call becomes at most one INFO line on the
+`fila.lua` logger:
 
     lua print queue="orders" hook=on_enqueue text="tenant=acme\\nweight=3"
 

@@ -4,12 +4,11 @@ Why delay the refusal rather than answer it faster: a client guessing keys waits
 for each answer before sending the next guess, one or a few in flight. Holding a
 persistent failer's answers for up to `MAX_DELAY_S` caps its rate at (calls in
 flight / delay) at no cost to the event loop, since a held call is a sleeping
-coroutine. Without it, 1,000 wrong keys with 50 in flight are answered as fast as
-the broker can (0.3-1.9 s here, on a busy 2-core machine) and a legitimate
-client's median latency during them went from 1-2 ms to 15-90 ms; held back, the
-same attack is spread over about 17 s at some 60 refusals a second, and the
-legitimate client's latency stays within its quiet-time spread (measured with
-`scripts/auth_flood.py`; figures in the commit that added it).
+coroutine. Without it, a flood of wrong keys is answered as fast as the broker can,
+and a legitimate client's latency during it rises many times over; held back, the
+same attack is spread over many seconds, and the legitimate client's latency stays
+within its quiet-time spread (measured with `scripts/auth_flood.py`; figures:
+docs/benchmarks.md, "Measurements behind design choices").
 
 Only failing calls are delayed, never calls with a valid key, so a legitimate
 client behind the same address (a NAT, or loopback) keeps full speed; that is
@@ -21,7 +20,7 @@ Score per peer host: +1 per failure, leaking `LEAK_PER_S` per second. The first
 quickly; after that the delay doubles from `BASE_DELAY_S` up to `MAX_DELAY_S`,
 less a random part of up to `JITTER` of it: without it, a guesser's calls held
 together come due together, and their refusals and its next guesses would reach
-the event loop in one burst (observed: a ~10 ms stall each second at 40 in flight).
+the event loop in one burst (observed as a stall of the loop each second).
 At most `MAX_HELD` calls are held at a time and at most `MAX_PEERS` hosts are
 tracked (least recently failing dropped first), so memory stays bounded; past
 either bound a failure is answered at once.

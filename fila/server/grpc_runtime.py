@@ -6,16 +6,15 @@ benchmark's load generator keep gRPC's defaults.
 
 `-event_engine_listener` serves connections from gRPC's older poller, which runs on
 the thread that already waits for gRPC's events, instead of handing every read and
-write to a pool of event-engine threads and back. On this 2-core broker at 50
-one-in-flight producers that cut context switches from 6.4 to 3.9 per message and
-the broker's CPU per durable message from 84-86 to 72-76 us (docs/benchmarks.md,
-"gRPC's listener"). gRPC documents the variable as the way to turn the experiment
+write to a pool of event-engine threads and back. That saves context switches and
+broker CPU on every message (figures: docs/benchmarks.md, "gRPC's listener").
+gRPC documents the variable as the way to turn the experiment
 off. An operator's own `GRPC_EXPERIMENTS` is left as it is.
 
 gRPC's C core writes its own lines to stderr, outside the broker's log format and
 rate limits: at its default verbosity, one line per failed TLS handshake, so any
-peer could fill the log's disk by failing handshakes in a loop (measured: 100
-handshakes with an untrusted client certificate, 100 lines). `GRPC_VERBOSITY` is
+peer could fill the log's disk by failing handshakes in a loop (figures:
+docs/benchmarks.md, "Measurements behind design choices"). `GRPC_VERBOSITY` is
 set to `ERROR` unless the operator set it (`GRPC_VERBOSITY=INFO` brings those lines
 back, to debug a client's connection).
 """

@@ -54,16 +54,17 @@ def connection_cap(configured: int, open_files: int) -> int:
 # Calls (HTTP/2 streams) one connection may have open at once, advertised to clients
 # as SETTINGS_MAX_CONCURRENT_STREAMS. Without one (gRPC sets none), a peer
 # that opens streams and resets them at once (HTTP/2 "rapid reset", CVE-2023-44487)
-# started 433,000 calls in 15 s, and every other client's call failed with CANCELLED
+# started every call it opened, and every other client's call failed with CANCELLED
 # meanwhile. With a limit, gRPC's overload protection also counts the streams a peer
 # reset whose calls the broker has not finished yet, and refuses new ones beyond it
 # (RST_STREAM REFUSED_STREAM) before they reach Python. An SDK client needs one
 # stream per queue it consumes, one StreamEnqueue and its calls in flight; a gRPC
 # client holds calls past the limit until a stream frees (they wait, they do not
-# fail). The cost of the limit to the other clients grows with it: one connection
-# resetting as fast as it could delayed another client's calls by up to 53 ms at 100
-# and 0.58 s at 1000, and grew RSS by 13 MiB against 62 MiB (none of them failed). A
-# lower limit would leave a client with more long-lived streams waiting for good.
+# fail). The cost of the limit to the other clients grows with it: a connection
+# resetting as fast as it can delays another client's calls, and grows the broker's
+# memory, more at a higher limit, though none of those calls failed (figures:
+# docs/benchmarks.md, "Measurements behind design choices"). A lower limit would
+# leave a client with more long-lived streams waiting for good.
 STREAMS_PER_CONNECTION = 1024
 
 

@@ -87,9 +87,9 @@ def server_options(config: Config, max_connections: int) -> list[tuple[str, int]
         # holds a connection slot without answering.
         ("grpc.keepalive_time_ms", server.keepalive_interval_ms),
         ("grpc.keepalive_permit_without_calls", 1),
-        # gRPC 1.85's server does not act on its keepalive timeout (a peer that left
-        # the PING at 30 s unanswered was still connected at 55 s); what closes such a
-        # connection is gRPC's ping timeout (60 s by default).
+        # gRPC 1.85's server does not act on its keepalive timeout (docs/benchmarks.md,
+        # "Measurements behind design choices"); what closes a connection whose peer
+        # leaves the PING unanswered is gRPC's ping timeout (60 s by default).
         ("grpc.keepalive_timeout_ms", keepalive_timeout),
         ("grpc.http2.ping_timeout_ms", keepalive_timeout),
         # A peer that sends the HTTP/2 preface and SETTINGS, then nothing, never

@@ -2,19 +2,19 @@
 
 glibc keeps memory a process freed in its arenas for reuse, and returns it only
 from the top of the heap: after a burst (a backlog drained, stalled streams
-cancelled, a large batch decoded) the broker's RSS stays where the burst left it.
-Measured here: 218 MiB holding a million ready messages after ingesting them, 140
-MiB after `malloc_trim(0)`. A thread of its own looks every `interval_s`;
+cancelled, a large batch decoded) the broker's RSS stays where the burst left it,
+and `malloc_trim(0)` gives a large part of it back (figures: docs/benchmarks.md,
+"Measurements behind design choices"). A thread of its own looks every `interval_s`;
 ctypes releases the GIL for the call, so the event loop keeps serving.
 
 A trim is not free: it walks the heap's free chunks holding the arena's lock, so
-every allocation waits (measured: 14 ms on a heap fragmented by 150 MiB of freed
-1 KB blocks, 0.2 ms on a tidy one). So it trims only while the resident size (read
-from /proc/self/statm, which costs microseconds) is `growth_bytes` above the lowest
-a trim has left it, and a trim that gives back little doubles the wait before the
-next (up to `MAX_BACKOFF_S`): memory still in use (a backlog that is still there)
-costs a stall every half hour at most, memory freed later is still returned. Where
-the C library is not glibc there is no `malloc_trim`, and this does nothing.
+every allocation waits, long on a fragmented heap and briefly on a tidy one. So it
+trims only while the resident size (read from /proc/self/statm, which costs
+microseconds) is `growth_bytes` above the lowest a trim has left it, and a trim that
+gives back little doubles the wait before the next (up to `MAX_BACKOFF_S`): memory
+still in use (a backlog that is still there) costs a stall every half hour at most,
+memory freed later is still returned. Where the C library is not glibc there is no
+`malloc_trim`, and this does nothing.
 """
 
 from __future__ import annotations

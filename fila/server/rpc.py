@@ -4,7 +4,7 @@ Every method is registered through a generic handler whose request deserializer
 never raises. A request that is not valid protobuf (or carries invalid UTF-8 in
 a string field) becomes a `BadRequest`, and the handler answers
 INVALID_ARGUMENT. Left to grpcio, a deserializer exception ends the call with
-UNKNOWN and logs a traceback of about 730 bytes per request, which any peer,
+UNKNOWN and logs a traceback for every such request, which any peer,
 authenticated or not, could use to flood the log; here each cause is logged at
 most once per `BadRequestLog` interval, with a count of the rest.
 """

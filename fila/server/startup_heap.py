@@ -3,11 +3,11 @@
 CPython's reference counting frees most objects; its cyclic collector looks for
 cycles, and a full (generation 2) collection visits every object the collector
 tracks, however old. In a serving broker most of those were made at startup and live
-until it exits: modules, classes, functions, protobuf descriptors, the gRPC server
-(about 32,000 objects). A full collection stops the event loop while it runs, so it
-is a pause every call in flight waits out. Measured in `fila-bench system --only
-rss_1m_ready` (a million messages enqueued): 15 full collections in the broker, median
-14.1 ms and longest 24.1 ms; with startup's objects frozen, median 0.84 ms.
+until it exits: modules, classes, functions, protobuf descriptors, the gRPC server.
+A full collection stops the event loop while it runs, so it is a pause every call in
+flight waits out, and most of what it visits is startup's: freezing those makes the
+pauses a small fraction of what they were (figures: docs/benchmarks.md,
+"Measurements behind design choices").
 
 `gc.freeze()` moves every tracked object to a permanent generation that collections
 skip. Frozen objects are still freed by reference counting when dropped; only a cycle

@@ -1,14 +1,14 @@
 """The Prometheus endpoint (`[telemetry] prometheus_listen`): bounded whatever clients do.
 
 prometheus_client's `start_http_server` gave every connection a thread and no
-deadline, and ran a full collection for each request. Measured against the broker:
-6,200 idle connections made 6,200 threads (RSS 75 -> 230 MB) and held as many file
-descriptors, which the gRPC connection cap budgets for; when 2,000 half-sent requests
-were dropped by their client, each thread read end-of-file as the end of the headers
-and ran a collection for nobody, and SIGTERM took 15 to 40 s behind them. Eight
-concurrent scrapes of 5,000 queues ran eight collections side by side (RSS 536 MB).
-Later, sixteen connections that sent nothing, reopened as they were dropped, held
-every slot while their heads were awaited, and every scrape was answered 503.
+deadline, and ran a full collection for each request. Against the broker, idle
+connections each held a thread and a file descriptor, which the gRPC connection cap
+budgets for; when half-sent requests were dropped by their client, each thread read
+end-of-file as the end of the headers and ran a collection for nobody, and SIGTERM
+waited behind them; concurrent scrapes ran their collections side by side. Later, as
+many connections as there were slots, sending nothing and reopened as they were
+dropped, held every slot while their heads were awaited, and every scrape was
+answered 503 (figures: docs/benchmarks.md, "Measurements behind design choices").
 
 Here, with the standard library's `http.server` parsing and answering:
 
@@ -63,12 +63,12 @@ MAX_WAITING = 64
 # The whole request head (request line and headers), from the connection's accept.
 REQUEST_TIMEOUT_S = 5.0
 MAX_HEAD_BYTES = 16 * 1024
-# Writing the whole response: 20 MB at 10,000 queues uncompressed, about 1 MB gzipped.
+# Writing the whole response: tens of MB at 10,000 queues uncompressed, far less gzipped.
 RESPONSE_TIMEOUT_S = 30.0
 # How long a request waits for the collection it shares (one runs at a time).
 COLLECTION_WAIT_S = 60.0
-# zlib's default: as small as level 9 on this text, eight times faster (0.1 s vs 0.8 s
-# for 17 MB; prometheus_client used 9).
+# zlib's default: as small as level 9 on this text and much faster (prometheus_client
+# used 9; figures: docs/benchmarks.md).
 GZIP_LEVEL = 6
 _POLL_S = 0.2  # how often the accepting thread looks for `stop`
 # Connections accepted per turn of the accepting thread, between reads of the waiting
@@ -85,7 +85,7 @@ _REFUSED = (
 class Rendered:
     """One collection's body, in chunks, and its gzip, compressed once for all who
     share it. Chunks are sent (and compressed, which releases the GIL) one at a time:
-    no step copies the whole 20 MB body in one call that holds the GIL."""
+    no step copies the whole body in one call that holds the GIL."""
 
     def __init__(self, chunks: list[bytes]) -> None:
         self.chunks = chunks

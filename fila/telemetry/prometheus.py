@@ -4,9 +4,9 @@ The broker used to serve `/metrics` through OpenTelemetry's Prometheus reader: e
 scrape ran the SDK's collection (an `Observation` per series, aggregated into
 `MetricsData`), the exporter translated that into prometheus_client families (a
 `Sample` with its own label dict per line), and prometheus_client formatted the
-samples one by one. At 5,000 queues (10,000 with their DLQs, 320,000 lines) a scrape
-took 3.6 s and 330 MB, measured with py-spy as 45% SDK collection, 28% translation
-and 25% formatting, all of it holding the GIL the event loop needs.
+samples one by one. At thousands of queues a scrape took seconds and hundreds of
+megabytes, spread over all three stages, all of it holding the GIL the event loop
+needs (figures: docs/benchmarks.md, "Measurements behind design choices").
 
 Here the same counters `BrokerMetrics` reads for OTLP are read once per scrape and
 written as lines: each queue's label is escaped once and reused for its 32 lines, and
@@ -124,7 +124,7 @@ class _Writer:
 
     Chunks bound what is held at once (the lines of one chunk, not of a family of
     200,000) and how long the GIL is held without a break: joining and encoding a
-    whole family was one 10 ms call, and the event loop waited behind it."""
+    whole family was one long call, and the event loop waited behind it."""
 
     def __init__(self, fmt: Format) -> None:
         self.openmetrics = fmt.openmetrics

@@ -31,8 +31,7 @@ _REPO_ROOT = Path(fila.__file__).resolve().parent.parent
 _LOG_TAIL_LINES = 40
 # The start-up probe's channel retries a refused connection every 50 ms, not on gRPC's
 # growing backoff: with a 200 ms cap a broker that began listening just after an attempt
-# waited up to 0.2 s more to be seen (start to SERVING, 12 starts each: median 0.363 s,
-# max 0.561 s with the cap; 0.315 s and 0.358 s without).
+# waited up to the cap more to be seen (start to SERVING: docs/benchmarks.md).
 _FAST_RECONNECT = [
     ("grpc.initial_reconnect_backoff_ms", 50),
     ("grpc.min_reconnect_backoff_ms", 50),
