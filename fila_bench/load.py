@@ -362,8 +362,8 @@ async def paced(rate: float, stop: Callable[[], bool]) -> AsyncIterator[float]:
         index += 1
 
 
-# epoll waits whole milliseconds, rounded up, so `asyncio.sleep(0.0044)` wakes at 5 ms:
-# measured 0.6 ms late at the median for a 200/s schedule. That lateness is the load
+# epoll waits whole milliseconds, rounded up, so `asyncio.sleep(0.0044)` wakes at 5 ms,
+# and a paced schedule's sends ran late (docs/benchmarks.md). That lateness is the load
 # generator's, yet a latency timed from the schedule would charge it to the broker.
 _TIMER_SLACK_S = 0.0015
 

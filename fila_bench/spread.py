@@ -11,8 +11,8 @@ threshold must clear, and the suggestion is built on it.
 
 Why not the single-run deviation: medians of three are steadier than single runs
 within one session, but the baseline and the pull request are not measured in one
-session. On these shared 2-core hosts the same commit's durable rates moved 15-20%
-between sessions an hour apart, in every run of the later one, and a threshold
+session. On these shared 2-core hosts the same commit's durable rates moved between
+sessions an hour apart, in every run of the later one, and a threshold
 set from one quiet session's single-run spread failed the first two unchanged
 trials of a gate demonstration (docs/benchmarks.md, "Noise and the gate"). So the
 study should pool runs from several sessions, and the gate-shaped spread over that

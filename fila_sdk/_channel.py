@@ -43,8 +43,9 @@ CHANNEL_OPTIONS: Final[tuple[tuple[str, int], ...]] = (
     # default), so the client must not reject a large message the broker accepted.
     ("grpc.max_receive_message_length", -1),
     # gRPC's default reconnect backoff (1 s growing to 120 s) left a client unusable
-    # for about 2.4 s after a restarted broker was back; retrying the connection
-    # every 100 ms to 500 ms makes it usable within about 0.3 s, at the cost of a
+    # for seconds after a restarted broker was back; retrying the connection every
+    # 100 ms to 500 ms makes it usable within a fraction of a second (figures:
+    # docs/benchmarks.md, "Measurements behind design choices"), at the cost of a
     # refused TCP connect per half second while the broker is down. The connect
     # timeout (grpc.min_reconnect_backoff_ms, 20 s) is left alone for slow links.
     ("grpc.initial_reconnect_backoff_ms", 100),

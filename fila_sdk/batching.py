@@ -1,7 +1,8 @@
 """Many small calls as few RPCs: chunking for `*_many`, coalescing for concurrent calls.
 
-A gRPC call costs about 0.15-0.2 ms of CPU per side in Python whatever it carries,
-so the SDK carries many items per call wherever the caller gives it the chance:
+A gRPC call costs each side far more CPU in Python than an item it carries adds
+(docs/benchmarks.md, "Measurements behind design choices"), so the SDK carries many
+items per call wherever the caller gives it the chance:
 
 - `chunks` splits an explicit batch (`enqueue_many`) into requests that respect
   the broker's per-request limits: `server.max_batch_messages` (10,000 by default)

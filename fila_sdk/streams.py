@@ -1,7 +1,7 @@
 """`enqueue` over an open `StreamEnqueue` stream, with concurrent calls coalesced.
 
-On an open stream a message costs a frame, not a call (SPEC 1: about 2.6x the rate
-of unary calls here). `Producer` keeps one stream per connection, opened on the
+On an open stream a message costs a frame, not a call (SPEC 1: several times the rate
+of unary calls; docs/benchmarks.md). `Producer` keeps one stream per connection, opened on the
 first enqueue and opened again after a failure, and gathers the enqueues of one
 turn of the event loop into one `StreamEnqueueRequest`, built in place
 (`messages.add`) so that a message costs no protobuf object of its own. The

@@ -13,8 +13,8 @@ for an fsync; group commit is what should make throughput grow with N. Messages 
 
 `durable_over_buffered_50c` measures the ratio of the two 50-connection enqueue rates
 a second way. The rows above run a minute apart, and on a shared host a mode's rate
-drifts between minutes: in six runs of the two rows back to back, durable read 7,588
-to 13,418 msg/s and the ratio 0.64 to 0.93 (docs/benchmarks.md). Here both brokers
+drifts between minutes, moving the ratio of the two rows far more than a change in
+the broker would (figures: docs/benchmarks.md). Here both brokers
 run at once, each with its own 50 connections, and only one is loaded at a time: the
 measurement alternates between them in short slices (durable first in one pair,
 buffered first in the next), so both see the same host. The rows stay as they are,

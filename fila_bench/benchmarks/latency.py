@@ -106,8 +106,9 @@ async def _run(ctx: Context) -> list[Result]:
     async with broker(ctx, "latency", "sync") as server:
         run = await _measure(ctx, server.addr, "latency")
     # Reported, not gated: one message in flight measures how quickly a busy host
-    # schedules the processes; on a shared two-core host the median moved 40-fold and
-    # the tail more (docs/benchmarks.md, "Noise and the gate").
+    # schedules the processes; on a shared two-core host the median moved many times
+    # over and the tail more (docs/benchmarks.md, "Noise and the gate" and
+    # "Measurements behind design choices").
     ours = [percentile_ms(run.hist, pct) for pct in PERCENTILES]
     floor_ms = [percentile_ms(floor_run.hist, pct) for pct in PERCENTILES]
     figures = [*ours, *floor_ms]

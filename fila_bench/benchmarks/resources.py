@@ -4,7 +4,7 @@ RocksDB flushes and compacts.
 RSS is read from /proc/<pid>/status of the broker process itself (VmRSS), idle
 after startup and as the peak over a loaded window. The compaction benchmark is
 best effort, because a client cannot start a compaction: it writes a burst of large
-messages (enough to fill several 64 MiB memtables, so RocksDB flushes them and
+messages (enough to fill several memtables, so RocksDB flushes them and
 compacts level 0) while a paced probe keeps measuring enqueue latency, and it reads
 RocksDB's own LOG to count the flushes and compactions that actually happened.
 """
@@ -93,8 +93,8 @@ async def _compaction(ctx: Context) -> list[Result]:
             # probe in flight instead, the ticks the burst held up were sent back to back
             # after it, and a tick scheduled after the burst waited for them: the
             # after-burst figure then measured the burst's backlog in the probe's own
-            # queue (its p99 tracked the burst's, 50-240 ms), not the broker while
-            # RocksDB compacts.
+            # queue (its p99 tracked the burst's; docs/benchmarks.md), not the broker
+            # while RocksDB compacts.
             async with asyncio.TaskGroup() as probes:
                 async for sent_at in paced(PROBE_RATE, lambda: not probing):
                     probes.create_task(one_probe(sent_at))
