@@ -8,6 +8,11 @@ parked outside the ring until the owner returns it with `unpark` (when its
 tokens can be there) or `unpark_all` (a throttle changed), so a backlog of
 throttled keys costs nothing per pick.
 
+The ring is a circular doubly linked list threaded through the keys themselves
+(`FairnessKey.next` / `prev`), its head the key whose turn it is: moving the turn
+on, adding a key at the tail and taking any key out (a redrive or purge empties
+keys anywhere in the ring) are each O(1), whatever the number of keys.
+
 The turn state lives across `pick` calls because deliveries are pulled one at
 a time, as consumers have room. With the default quantum of 1, a key of weight
 w gets exactly w deliveries per round, which keeps every key within a few
@@ -17,7 +22,6 @@ messages of its weighted share over any window (the fairness requirement is
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable, Iterator
 
 from fila.core.fairness_key import FairnessKey, ThrottleTable
@@ -33,7 +37,7 @@ class Drr:
         self.quantum = quantum
         self.keys: dict[str, FairnessKey] = {}
         self._throttles = ThrottleTable()
-        self._ring: deque[FairnessKey] = deque()
+        self._head: FairnessKey | None = None  # the ring's first key: its turn, or next
         self._turn_open = False
         self._parked: dict[str, FairnessKey] = {}
         # Keys parked since the owner last looked; only these can need an earlier wake-up.
@@ -53,7 +57,7 @@ class Drr:
         if key is None:
             key = FairnessKey(ref.fairness_key, ref.weight, self._throttles)
             self.keys[ref.fairness_key] = key
-            self._ring.append(key)
+            self._link(key)
         elif fresh:
             key.weight = ref.weight
         key.push(ref)
@@ -61,9 +65,7 @@ class Drr:
 
     def pick(self, has_tokens: TokenCheck | None) -> MessageRef | None:
         """The next message by DRR, or None if every ready key is empty or parked."""
-        ring = self._ring
-        while ring:
-            key = ring[0]
+        while (key := self._head) is not None:
             if not self._turn_open:
                 # Only a parked key ends a turn with deficit left; capping keeps a
                 # key that is parked again and again from saving up a burst.
@@ -71,7 +73,7 @@ class Drr:
                 key.deficit = min(key.deficit + share, share)
                 self._turn_open = True
             if key.deficit <= 0:
-                ring.rotate(-1)
+                self._head = key.next
                 self._turn_open = False
                 continue
             if has_tokens is not None:
@@ -80,8 +82,7 @@ class Drr:
             else:
                 blocked = False
             if blocked:
-                ring.popleft()
-                self._turn_open = False
+                self._unlink(key)
                 key.parked = True
                 self._parked[key.name] = key
                 self.newly_parked.append(key)
@@ -90,8 +91,7 @@ class Drr:
             key.deficit -= 1
             self.ready_count -= 1
             if not key:
-                ring.popleft()
-                self._turn_open = False
+                self._unlink(key)
                 del self.keys[key.name]
             return head
         return None
@@ -102,7 +102,7 @@ class Drr:
             return False
         for key in self._parked.values():
             key.parked = False
-            self._ring.append(key)
+            self._link(key)
         self._parked.clear()
         self.newly_parked.clear()
         return True
@@ -114,7 +114,7 @@ class Drr:
         for key in keys:
             if parked.pop(key.name, None) is key:
                 key.parked = False
-                self._ring.append(key)
+                self._link(key)
                 back = True
         return back
 
@@ -124,24 +124,36 @@ class Drr:
         self.newly_parked.clear()
         return keys
 
+    def upcoming(self, limit: int) -> list[MessageRef]:
+        """What `take(limit)` would take now, in the same order, changing nothing."""
+        refs: list[MessageRef] = []
+        for key in self._take_order(limit):
+            for ref in key.iter_from():
+                refs.append(ref)
+                if len(refs) == limit:
+                    return refs
+        return refs
+
     def take(self, limit: int) -> list[MessageRef]:
-        """Takes up to `limit` ready messages out, oldest first within each key (redrive)."""
+        """Takes up to `limit` ready messages out (redrive): key by key, from the ring's
+        head round, then the parked keys, oldest first within each key. The work is
+        O(what is taken), however many keys there are."""
         taken: list[MessageRef] = []
-        for key in list(self.keys.values()):
+        for key in self._take_order(limit):
             while key and len(taken) < limit:
                 taken.append(key.popleft())
             if not key:
                 self._drop_key(key)
-            if len(taken) >= limit:
-                break
         self.ready_count -= len(taken)
         return taken
 
     def drain(self) -> list[MessageRef]:
         """Takes every ready message out, oldest first within each key."""
         refs = [ref for key in self.keys.values() for ref in key.take_all()]
+        for key in self.keys.values():
+            key.next = key.prev = None  # no cycles left behind for the collector
         self.keys.clear()
-        self._ring.clear()
+        self._head = None
         self._parked.clear()
         self.newly_parked.clear()
         self._turn_open = False
@@ -152,11 +164,59 @@ class Drr:
         for key in self.keys.values():
             yield from key.iter_from()
 
+    # -- internals -------------------------------------------------------------------
+
+    def _take_order(self, limit: int) -> list[FairnessKey]:
+        """The keys `take(limit)` takes from, in order, holding `limit` messages or all."""
+        keys: list[FairnessKey] = []
+        count = 0
+        first = key = self._head
+        while key is not None and count < limit:
+            keys.append(key)
+            count += len(key)
+            key = key.next
+            if key is first:
+                break
+        if count < limit:
+            for key in self._parked.values():
+                keys.append(key)
+                count += len(key)
+                if count >= limit:
+                    break
+        return keys
+
+    def _link(self, key: FairnessKey) -> None:
+        """Adds `key` at the ring's tail (just before the head): its turn comes last."""
+        head = self._head
+        if head is None:
+            key.next = key.prev = key
+            self._head = key
+            return
+        tail = head.prev
+        assert tail is not None, "a ring key is linked both ways"
+        key.prev = tail
+        key.next = head
+        tail.next = key
+        head.prev = key
+
+    def _unlink(self, key: FairnessKey) -> None:
+        """Takes `key` out of the ring; if its turn was running, the turn ends."""
+        after, before = key.next, key.prev
+        assert after is not None and before is not None, "only a ring key is unlinked"
+        key.next = key.prev = None
+        if after is key:
+            self._head = None
+            self._turn_open = False
+            return
+        before.next = after
+        after.prev = before
+        if self._head is key:
+            self._head = after
+            self._turn_open = False
+
     def _drop_key(self, key: FairnessKey) -> None:
         del self.keys[key.name]
         if key.parked:
             del self._parked[key.name]
         else:
-            if self._ring and self._ring[0] is key:
-                self._turn_open = False
-            self._ring.remove(key)
+            self._unlink(key)

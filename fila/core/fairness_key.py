@@ -46,8 +46,9 @@ class ThrottleTable:
 
 
 class FairnessKey:
-    """One key of a queue's DRR: its weight, deficit and whether it is parked (see
-    `Drr`), and its ready messages, packed (see the module docstring)."""
+    """One key of a queue's DRR: its weight, deficit, whether it is parked and its
+    neighbours in the ring (see `Drr`), and its ready messages, packed (see the module
+    docstring)."""
 
     __slots__ = (
         "_attempts",
@@ -57,7 +58,9 @@ class FairnessKey:
         "_throttles",
         "deficit",
         "name",
+        "next",
         "parked",
+        "prev",
         "weight",
     )
 
@@ -66,6 +69,9 @@ class FairnessKey:
         self.weight = weight
         self.deficit = 0
         self.parked = False
+        # The ring's links, owned by `Drr`: None while the key is not in the ring.
+        self.next: FairnessKey | None = None
+        self.prev: FairnessKey | None = None
         self._throttles = throttles
         self._ids = bytearray()
         self._throttle = array("I")
