@@ -155,28 +155,37 @@ def _check(drr: Drr, model: ModelDrr) -> None:
     assert drr.ready_count == sum(len(k.messages) for k in model.keys.values())
 
 
-_ops = st.lists(
-    st.one_of(
-        st.tuples(
-            st.just("push"),
-            st.integers(0, 300),  # message number (its id)
-            st.integers(0, 5),  # fairness key
-            st.integers(1, 3),  # weight
-            st.integers(0, 2),  # throttle keys
-            st.booleans(),  # fresh
-        ),
-        st.tuples(st.just("pick"), st.integers(1, 4)),
-        st.tuples(st.just("take"), st.integers(1, 6)),
-        st.tuples(st.just("tokens"), st.integers(0, 3), st.integers(0, 3)),
-        st.tuples(st.just("unpark_all")),
-        st.tuples(st.just("unpark_new")),
-        st.tuples(st.just("drain")),
-    ),
-    max_size=80,
-)
+# Operation kinds by how often they come: pushes and picks the most, drains rarely.
+_KINDS = ["push"] * 6 + ["pick"] * 4 + ["take"] * 2 + ["tokens"] * 2 + ["unpark_new"] * 2
+_KINDS += ["unpark_all", "drain"]
 
 
-@settings(max_examples=300, deadline=None)
+@st.composite
+def _op(draw: st.DrawFn) -> tuple[object, ...]:
+    kind = draw(st.sampled_from(_KINDS))
+    if kind == "push":
+        return (
+            kind,
+            draw(st.integers(0, 300)),  # the first message's number (its id)
+            draw(st.integers(0, 5)),  # fairness key: 0 and 1 mostly throttled, no others
+            draw(st.integers(1, 3)),  # weight
+            draw(st.sampled_from([0, 1, 1, 2])),  # throttle keys (of keys 0 and 1)
+            draw(st.booleans()),  # fresh
+            draw(st.integers(1, 4)),  # how many messages (ids n, n + 1000, ...)
+        )
+    if kind == "pick":
+        return (kind, draw(st.integers(1, 4)))
+    if kind == "take":
+        return (kind, draw(st.integers(1, 6)))
+    if kind == "tokens":
+        return (kind, draw(st.integers(0, 2)), draw(st.integers(0, 2)))
+    return (kind,)
+
+
+_ops = st.lists(_op(), min_size=20, max_size=100)
+
+
+@settings(max_examples=500, deadline=None)
 @given(quantum=st.integers(1, 3), ops=_ops)
 def test_drr_makes_the_reference_models_choices_under_any_mix_of_operations(
     quantum: int, ops: list[tuple[object, ...]]
@@ -192,14 +201,16 @@ def test_drr_makes_the_reference_models_choices_under_any_mix_of_operations(
     seen: set[int] = set()
     for op in ops:
         if op[0] == "push":
-            _, n, key, weight, throttle, fresh = op
-            assert isinstance(n, int) and isinstance(key, int) and isinstance(weight, int)
+            _, first, key, weight, throttle, fresh, count = op
+            assert isinstance(first, int) and isinstance(key, int) and isinstance(weight, int)
             assert isinstance(throttle, int) and isinstance(fresh, bool)
-            if n in seen:
-                continue  # an id is in one place at a time
-            seen.add(n)
-            drr.push(_ref(n, f"k{key}", weight, THROTTLES[throttle]), fresh=fresh)
-            model.push(n, f"k{key}", weight, THROTTLES[throttle], fresh)
+            throttle_keys = THROTTLES[throttle] if key < 2 else ()
+            for n in range(first, first + 1000 * int(str(count)), 1000):
+                if n in seen:
+                    continue  # an id is in one place at a time
+                seen.add(n)
+                drr.push(_ref(n, f"k{key}", weight, throttle_keys), fresh=fresh)
+                model.push(n, f"k{key}", weight, throttle_keys, fresh)
         elif op[0] == "pick":
             for _ in range(int(str(op[1]))):
                 ref = drr.pick(lambda t: _try_take(tokens, t))
