@@ -185,7 +185,7 @@ def _op(draw: st.DrawFn) -> tuple[object, ...]:
 _ops = st.lists(_op(), min_size=20, max_size=100)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(quantum=st.integers(1, 3), ops=_ops)
 def test_drr_makes_the_reference_models_choices_under_any_mix_of_operations(
     quantum: int, ops: list[tuple[object, ...]]

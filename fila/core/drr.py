@@ -112,7 +112,10 @@ class Drr:
         parked = self._parked
         back = False
         for key in keys:
-            if parked.pop(key.name, None) is key:
+            # A key that emptied is gone, and one of its name may be parked now: only
+            # the very key returns (popping by name would lose the other one).
+            if parked.get(key.name) is key:
+                del parked[key.name]
                 key.parked = False
                 self._link(key)
                 back = True
@@ -218,5 +221,6 @@ class Drr:
         del self.keys[key.name]
         if key.parked:
             del self._parked[key.name]
+            key.parked = False  # wake-ups that still name it find it gone
         else:
             self._unlink(key)
