@@ -7,6 +7,7 @@ ring, sorted lists for each key's messages); `Drr` must make exactly its choices
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 
@@ -141,6 +142,8 @@ def _check(drr: Drr, model: ModelDrr) -> None:
     assert drr._turn_open == model.turn_open
     parked = {name for name, key in drr.keys.items() if key.parked}
     assert parked == set(model.parked)
+    assert all(drr.keys.get(name) is key for name, key in drr._parked.items())
+    assert set(drr._parked) == parked
     # ring membership = the keys with ready messages that are not parked
     assert {k.name for k in ring} | parked == set(drr.keys)
     assert all(len(key) > 0 for key in drr.keys.values()), "an empty key kept"
@@ -157,7 +160,7 @@ def _check(drr: Drr, model: ModelDrr) -> None:
 
 # Operation kinds by how often they come: pushes and picks the most, drains rarely.
 _KINDS = ["push"] * 6 + ["pick"] * 4 + ["take"] * 2 + ["tokens"] * 2 + ["unpark_new"] * 2
-_KINDS += ["unpark_all", "drain"]
+_KINDS += ["wake_old", "unpark_all", "drain"]
 
 
 @st.composite
@@ -199,6 +202,7 @@ def test_drr_makes_the_reference_models_choices_under_any_mix_of_operations(
     tokens = {"a": 0, "b": 0}
     model_tokens = dict(tokens)
     seen: set[int] = set()
+    ever_parked: list[FairnessKey] = []  # what throttle wake-ups hold: keys, some gone
     for op in ops:
         if op[0] == "push":
             _, first, key, weight, throttle, fresh, count = op
@@ -216,9 +220,10 @@ def test_drr_makes_the_reference_models_choices_under_any_mix_of_operations(
                 ref = drr.pick(lambda t: _try_take(tokens, t))
                 got = None if ref is None else int.from_bytes(ref.key[1:], "big")
                 assert got == model.pick(model_tokens)
+            ever_parked += drr.newly_parked
         elif op[0] == "take":
             limit = int(str(op[1]))
-            upcoming = [r.key for r in drr.upcoming(limit)]
+            upcoming = [r.key for r in itertools.islice(drr.upcoming(), limit)]
             taken = [r.key for r in drr.take(limit)]
             assert taken == upcoming
             assert [int.from_bytes(k[1:], "big") for k in taken] == model.take(limit)
@@ -230,8 +235,16 @@ def test_drr_makes_the_reference_models_choices_under_any_mix_of_operations(
             model.unpark_all()
         elif op[0] == "unpark_new":
             woken = drr.take_newly_parked()
+            # only live parked keys: a stale one would be counted and woken for nothing
+            assert all(drr.keys.get(k.name) is k and k.parked for k in woken)
             drr.unpark(woken)
             model.unpark([k.name for k in woken])
+        elif op[0] == "wake_old":
+            # every key ever parked, as the delivery's wake-up heap may hold them: only
+            # the ones still parked come back, each once
+            live = [k.name for k in ever_parked if drr._parked.get(k.name) is k]
+            drr.unpark(ever_parked)
+            model.unpark(list(dict.fromkeys(live)))
         elif op[0] == "drain":
             drained = {int.from_bytes(r.key[1:], "big") for r in drr.drain()}
             assert drained == {n for k in model.keys.values() for n, _ in k.messages}

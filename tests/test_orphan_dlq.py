@@ -73,8 +73,7 @@ async def _orders_and_billing() -> CoreBroker:
 
 async def _redrive_all(core: CoreBroker, dlq: str) -> int:
     """Redrives every message of `dlq` into its queue; returns how many moved."""
-    redriven, committed = core.broker.admin.redrive(dlq, 0)
-    await committed
+    redriven = await core.broker.admin.redrive(dlq, 0)
     await core.settle()
     return redriven
 

@@ -176,8 +176,7 @@ def test_last_error_is_clipped_and_kept_across_redrive() -> None:
         dead = await _stored(core, message_id)
         assert len(dead.metadata.last_error.encode()) <= 4096
         assert dead.metadata.last_error.endswith("[truncated, 10000 bytes in all]")
-        count, committed = core.broker.admin.redrive("jobs.dlq", 0)
-        await committed
+        count = await core.broker.admin.redrive("jobs.dlq", 0)
         back = await _stored(core, message_id)
         assert (count, back.metadata.queue_id, back.metadata.attempt_count) == (1, "jobs", 0)
         assert back.metadata.last_error == dead.metadata.last_error

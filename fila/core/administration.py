@@ -14,6 +14,7 @@ import enum
 import heapq
 import itertools
 import logging
+import time
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
@@ -25,6 +26,7 @@ from fila.core.errors import (
     QueueAlreadyExists,
     QueueNotFound,
     ResourceExhausted,
+    Unavailable,
     clip,
 )
 from fila.core.ids import parse_id
@@ -62,6 +64,10 @@ UPDATABLE = (
 MAX_ANSWER_BYTES = 3 * 1024 * 1024
 DEFAULT_PEEK = 20
 MAX_PEEK = 1000
+# A redrive chunk (one turn of the event loop) ends at whichever comes first.
+REDRIVE_CHUNK_MESSAGES = 1000
+REDRIVE_CHUNK_BYTES = 4 * 1024 * 1024
+REDRIVE_CHUNK_S = 0.002
 
 
 class MessageState(enum.IntEnum):
@@ -373,33 +379,70 @@ class Administration:
 
     # -- dead letters, peek, purge ---------------------------------------------------
 
-    def redrive(self, dlq_name: str, count: int) -> tuple[int, asyncio.Future[None]]:
-        """Moves up to `count` (0 = all) ready DLQ messages back, re-running on_enqueue.
+    async def redrive(self, dlq_name: str, count: int) -> int:
+        """Moves up to `count` (0 = all) ready DLQ messages back, re-running on_enqueue;
+        returns how many moved, once their moves are committed.
 
-        Every record is read and every decision made before anything moves, so a
-        failure (a read error, a hook) leaves both queues as they were. A record that
-        does not decode is set aside (`fila.core.quarantine`), not moved."""
-        self.broker.check_open()
-        dlq = self.broker.queue(dlq_name)
+        A DLQ can hold millions of messages, so they move in chunks, each bounded in
+        messages, bytes and time (`REDRIVE_CHUNK_*`): a chunk is planned whole (records
+        read, decisions made) before any of it moves, its moves are one write, and the
+        next chunk starts once that write is committed. So the loop serves everyone
+        else between chunks, and a crash at any point leaves each message in exactly one
+        of the two queues. `count` is taken against the DLQ's ready messages at the
+        start; each chunk takes what is ready then (a DLQ consumer may lease messages,
+        a purge remove them, a DeleteQueue all of them meanwhile), and the redrive ends
+        when nothing is left or the broker starts shutting down, answering what moved.
+        A record that does not decode is set aside (`fila.core.quarantine`), not moved;
+        a failure (a read error, a hook) leaves its chunk unmoved and fails the call."""
+        broker = self.broker
+        broker.check_open()
+        dlq = broker.queue(dlq_name)
         source_name = dlq.record.dlq_of
         if not source_name:
             raise InvalidArgument(f'queue "{dlq_name}" is not a dead-letter queue')
-        source = self.broker.queue(source_name)
+        source = broker.queue(source_name)
         ready = dlq.drr.ready_count
         wanted = min(count, ready) if count > 0 else ready  # any uint64 count is valid
+        taken = moved = 0
+        while taken < wanted:
+            chunk_taken, chunk_moved = self._redrive_chunk(dlq, source, wanted - taken)
+            if not chunk_taken:
+                break  # nothing ready any more
+            taken += chunk_taken
+            moved += chunk_moved
+            await broker.committer.flushed()
+            if not self._open():
+                break
+        return moved
+
+    def _open(self) -> bool:
+        try:
+            self.broker.check_open()
+        except Unavailable:
+            return False
+        return True
+
+    def _redrive_chunk(self, dlq: Queue, source: Queue, limit: int) -> tuple[int, int]:
+        """Takes the next chunk (at most `limit`) of `dlq`'s ready messages and moves
+        them to `source`, setting aside those that do not decode; returns (taken, moved).
+        Nothing changes unless every message of the chunk could be planned."""
+        broker = self.broker
+        started = time.perf_counter()
+        size = 0
         # (the message as it moves back, its new record), or (the message, its stored
         # record, why it does not decode) for one that is set aside instead
         planned: list[tuple[MessageRef, bytes, str | None]] = []
-        for ref in itertools.islice(dlq.drr.iter_ready(), wanted):
-            record = self.broker.read_record(ref.key)
+        for ref in itertools.islice(dlq.drr.upcoming(), min(limit, REDRIVE_CHUNK_MESSAGES)):
+            record = broker.read_record(ref.key)
             if record is None:
                 raise InvalidArgument(f"dead-lettered message {ref.id} has no stored record")
+            size += len(record)
             try:
                 message = stored.decode_message(ref.key, record)
             except stored.BadRecord as exc:
                 planned.append((ref, record, str(exc)))
                 continue
-            decision = self.broker.decide_enqueue(source, message.headers, len(message.payload))
+            decision = broker.decide_enqueue(source, message.headers, len(message.payload))
             metadata = message.metadata
             metadata.fairness_key = decision.fairness_key
             metadata.weight = decision.weight
@@ -411,19 +454,21 @@ class Administration:
                 ref.key, decision.fairness_key, decision.weight, decision.throttle_keys, 0
             )
             planned.append((moved, stored.rebuild_message(message), None))
+            if size >= REDRIVE_CHUNK_BYTES or time.perf_counter() - started >= REDRIVE_CHUNK_S:
+                break
         taken = dlq.drr.take(len(planned))
         assert [r.key for r in taken] == [m.key for m, _, _ in planned], "redrive order changed"
-        committer = self.broker.committer
+        committer = broker.committer
         moved_refs: list[MessageRef] = []
         for moved, record, bad in planned:
             if bad is not None:
-                self.broker.quarantine.set_aside(committer, moved.key, record, bad)
+                broker.quarantine.set_aside(committer, moved.key, record, bad)
                 continue
             committer.put(moved.key, record)
             moved_refs.append(moved)
-        self.broker.ready_after_commit(source, moved_refs, fresh=True)
+        broker.ready_after_commit(source, moved_refs, fresh=True)
         source.counters.redriven += len(moved_refs)
-        return len(moved_refs), committer.flushed()
+        return len(planned), len(moved_refs)
 
     def peek(
         self, queue_name: str, limit: int, after_id: str, fairness_key: str

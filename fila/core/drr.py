@@ -127,15 +127,17 @@ class Drr:
         self.newly_parked.clear()
         return keys
 
-    def upcoming(self, limit: int) -> list[MessageRef]:
-        """What `take(limit)` would take now, in the same order, changing nothing."""
-        refs: list[MessageRef] = []
-        for key in self._take_order(limit):
-            for ref in key.iter_from():
-                refs.append(ref)
-                if len(refs) == limit:
-                    return refs
-        return refs
+    def upcoming(self) -> Iterator[MessageRef]:
+        """The ready messages in the order `take` takes them, lazily, changing nothing
+        (do not change the DRR while iterating)."""
+        first = key = self._head
+        while key is not None:
+            yield from key.iter_from()
+            key = key.next
+            if key is first:
+                break
+        for key in self._parked.values():
+            yield from key.iter_from()
 
     def take(self, limit: int) -> list[MessageRef]:
         """Takes up to `limit` ready messages out (redrive): key by key, from the ring's
@@ -164,6 +166,7 @@ class Drr:
         return refs
 
     def iter_ready(self) -> Iterator[MessageRef]:
+        """Every ready message, key by key in the order the keys came, oldest first."""
         for key in self.keys.values():
             yield from key.iter_from()
 

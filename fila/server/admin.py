@@ -181,8 +181,7 @@ class FilaAdmin:
         source = dlq_owner(dlq)
         if source is not None:  # redrive writes into the source queue: admin there too
             access.require(access.Kind.ADMIN, source)
-        count, committed = self._broker.admin.redrive(dlq, request.count)
-        await committed
+        count = await self._broker.admin.redrive(dlq, request.count)
         return admin_pb2.RedriveResponse(redriven=count)
 
     async def peek_messages(
