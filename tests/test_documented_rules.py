@@ -77,17 +77,18 @@ def test_a_stream_consume_stream_that_ends_returns_what_it_was_sent_without_on_f
     async def scenario() -> None:
         core = make_core()
         await _dead_lettering_queue(core)
-        sent, unsent = await core.enqueue("q", 2)
+        first, second, unsent = await core.enqueue("q", 3)
         consumer = core.broker.delivery.attach_consumer(
-            "q", prefetch=2, max_batch=1, owns_settlement=True
+            "q", prefetch=3, max_batch=2, owns_settlement=True
         )
         await core.settle()
-        assert core.broker.delivery.sending(consumer, 1) is not None  # `sent` leaves
+        assert core.broker.delivery.sending(consumer, 2) is not None  # two of three leave
         core.broker.delivery.detach_consumer(consumer)
         await core.settle()
-        assert _attempts(core, "q") == {sent: 1, unsent: 0}
-        assert _depth(core, "q") == (2, 0)
+        assert _attempts(core, "q") == {first: 1, second: 1, unsent: 0}
+        assert _depth(core, "q") == (3, 0)
         assert _depth(core, "q.dlq") == (0, 0)
+        assert core.broker.admin.stats("q").counters.expired == 2  # counted as expiries
 
     run(scenario)
 
@@ -112,6 +113,148 @@ def test_extend_lease_may_shorten_a_deadline_and_the_message_comes_back_then() -
         await core.advance(2)
         assert core.take(consumer) == [message_id], "back at the shortened deadline"
         assert _attempts(core, "q") == {message_id: 1}
+
+    run(scenario)
+
+
+def test_an_expiry_returns_every_lease_of_its_millisecond_sent_or_not() -> None:
+    """Leases granted in one millisecond expire together: one never sent comes back
+    with no attempt, one sent comes back as a failed attempt, whatever their order."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
+        core.broker.delivery.attach_consumer("q", prefetch=1)  # a stream that never sends
+        busy = core.broker.delivery.attach_consumer("q", prefetch=1)
+        unsent, sent = await core.enqueue("q", 2)  # one each, round-robin: idle first
+        assert core.take(busy) == [sent]
+        core.broker.delivery.detach_consumer(busy)
+        await core.advance(1001)
+        assert _attempts(core, "q") == {unsent: 0, sent: 1}
+        assert core.broker.admin.stats("q").counters.expired == 1
+
+    run(scenario)
+
+
+def test_a_retried_message_goes_back_to_the_front_of_its_key() -> None:
+    """semantics.md, Delivery order: a message nacked for immediate retry or whose
+    lease expired goes back to the front of its key, before newer messages."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
+        ids = await core.enqueue("q", 3)
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        await core.settle()
+        assert core.take(consumer) == ids[:1]
+        await _nack(core, "q", ids[0])
+        assert core.take(consumer) == ids[:1], "nacked: first again"
+        await core.advance(1001)
+        assert core.take(consumer) == ids[:1], "expired: first again"
+
+    run(scenario)
+
+
+def test_a_retry_does_not_change_its_keys_weight() -> None:
+    """semantics.md: a key's weight is the weight of its most recently *enqueued*
+    message; a retried older message does not take it back."""
+
+    async def scenario() -> None:
+        core = make_core()
+        weighted = (
+            "function on_enqueue(m) "
+            'return { fairness_key = "k", weight = tonumber(m.headers.w) } end'
+        )
+        await core.broker.admin.create_queue("q", weighted, "", 1000, retry_backoff="none")
+        (light,) = await core.enqueue("q", headers={"w": "1"})
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        await core.settle()  # `light` is leased into the stream's buffer, not sent
+        await core.enqueue("q", headers={"w": "5"})
+
+        def weight() -> int:
+            (key,) = core.broker.admin.stats("q").per_key
+            return key.weight
+
+        assert weight() == 5
+        core.broker.delivery.detach_consumer(consumer)
+        await core.settle()
+        assert weight() == 5, "after a return unsent"
+        await core.enqueue("q", headers={"w": "1"})  # the newest: the key's weight is 1
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        await core.settle()
+        assert core.take(consumer) == [light]
+        await core.enqueue("q", headers={"w": "5"})
+        await _nack(core, "q", light)
+        assert weight() == 5, "after a nack"
+
+    run(scenario)
+
+
+def test_dead_letters_keep_id_order_in_the_dlq_whatever_order_they_failed_in() -> None:
+    """semantics.md: redrive moves DLQ messages oldest first within each key; a
+    message dead-lettered later but enqueued earlier comes first."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await _dead_lettering_queue(core)
+        older, newer = await core.enqueue("q", 2)
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=2)
+        await core.settle()
+        assert core.take(consumer) == [older, newer]
+        await _nack(core, "q", newer)
+        await _nack(core, "q", older)
+        dead = core.broker.delivery.attach_consumer("q.dlq", prefetch=2)
+        await core.settle()
+        assert core.take(dead) == [older, newer]
+
+    run(scenario)
+
+
+def test_on_failure_sees_the_attempts_including_this_failure() -> None:
+    """semantics.md: `on_failure` sees `msg.attempts` including the current failure
+    (1 on the first nack)."""
+
+    async def scenario() -> None:
+        core = make_core()
+        script = (
+            "function on_failure(m) if m.attempts >= 2 then "
+            'return { action = "dlq" } end return { action = "retry" } end'
+        )
+        await core.broker.admin.create_queue("q", "", script, 0)
+        (message_id,) = await core.enqueue("q")
+        consumer = core.broker.delivery.attach_consumer("q")
+        await core.settle()
+        core.take(consumer)
+        await _nack(core, "q", message_id)
+        assert _attempts(core, "q") == {message_id: 1}, "retried on the first failure"
+        assert core.take(consumer) == [message_id]
+        await _nack(core, "q", message_id)
+        assert _attempts(core, "q.dlq") == {message_id: 2}, "dead-lettered on the second"
+
+    run(scenario)
+
+
+def test_a_hook_retry_delay_is_waited_in_full_on_the_clock() -> None:
+    """`{action="retry", delay_ms=N}` makes the message ready again after N ms."""
+
+    async def scenario() -> None:
+        core = make_core()
+        script = (
+            "function on_failure(m) "
+            'return { action = "retry", delay_ms = tonumber(m.headers.d) } end'
+        )
+        await core.broker.admin.create_queue("q", "", script, 0)
+        consumer = core.broker.delivery.attach_consumer("q")
+        for delay in (2000, 1):
+            (message_id,) = await core.enqueue("q", headers={"d": str(delay)})
+            assert core.take(consumer) == [message_id]
+            await _nack(core, "q", message_id)
+            await core.advance(delay - 1) if delay > 1 else await core.settle()
+            assert core.take(consumer) == [], f"back before its {delay} ms"
+            await core.advance(1)
+            assert core.take(consumer) == [message_id]
+            _, committed = core.broker.ack([("q", message_id)])
+            await committed
 
     run(scenario)
 
