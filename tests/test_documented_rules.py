@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
-from support.core import CoreBroker, make_core
+from support.core import CoreBroker, make_core, restarted
 
 from fila.config import parse_config
 from fila.core.errors import ResourceExhausted
@@ -255,6 +255,93 @@ def test_a_hook_retry_delay_is_waited_in_full_on_the_clock() -> None:
             assert core.take(consumer) == [message_id]
             _, committed = core.broker.ack([("q", message_id)])
             await committed
+
+    run(scenario)
+
+
+def test_an_extended_lease_outlives_its_old_deadline_and_leaves_its_neighbours_alone() -> None:
+    """ExtendLease moves a lease's deadline: it does not expire at the old one, and a
+    lease granted in the same millisecond still expires at that one."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
+        kept, other = await core.enqueue("q", 2)
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=2, max_batch=2)
+        await core.settle()
+        assert core.take(consumer) == [kept, other]  # one millisecond, one deadline
+        deadline, committed = core.broker.extend_lease("q", kept, 5000)
+        await committed
+        await core.advance(1001)
+        assert _attempts(core, "q") == {kept: 0, other: 1}
+        await core.advance(deadline - core.clock.now_ms() - 1)
+        assert _attempts(core, "q")[kept] == 0
+        await core.advance(1)
+        assert _attempts(core, "q")[kept] == 1
+
+    run(scenario)
+
+
+def test_an_extension_is_stored_and_survives_a_restart() -> None:
+    """semantics.md: ExtendLease is durable before the answer; after a restart the
+    lease comes back with the extended deadline."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
+        (message_id,) = await core.enqueue("q")
+        consumer = core.broker.delivery.attach_consumer("q")
+        await core.settle()
+        assert core.take(consumer) == [message_id]
+        _, committed = core.broker.extend_lease("q", message_id, 60_000)
+        await committed
+        core.broker.close()
+        core, _ = restarted(core)
+        await core.advance(59_999)
+        assert _depth(core, "q") == (0, 1), "still leased until the extended deadline"
+        await core.advance(1)
+        assert _depth(core, "q") == (1, 0)
+
+    run(scenario)
+
+
+def test_a_batch_nack_applies_each_item_on_its_own_and_counts_it() -> None:
+    """Batch paths: an item that fails gets its error and the others are applied."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 0, retry_backoff="none")
+        (message_id,) = await core.enqueue("q")
+        consumer = core.broker.delivery.attach_consumer("q")
+        await core.settle()
+        core.take(consumer)
+        results, committed = core.broker.nack(
+            [("q", "not-an-id", "x"), ("nope", message_id, "x"), ("q", message_id, "x")]
+        )
+        await committed
+        assert [type(r).__name__ for r in results] == [
+            "MessageNotFound",
+            "QueueNotFound",
+            "NoneType",
+        ]
+        assert _attempts(core, "q") == {message_id: 1}
+        assert core.broker.admin.stats("q").counters.nacked == 1
+
+    run(scenario)
+
+
+def test_a_delayed_message_purged_before_it_is_due_stays_gone() -> None:
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 0)
+        await core.enqueue("q", delay_ms=1000)
+        consumer = core.broker.delivery.attach_consumer("q")
+        count, committed = core.broker.admin.purge("q")
+        await committed
+        assert count == 1
+        await core.advance(1000)  # its timer fires with nothing to release
+        assert core.take(consumer) == []
+        assert _depth(core, "q") == (0, 0)
 
     run(scenario)
 
