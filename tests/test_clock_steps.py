@@ -98,7 +98,7 @@ def test_a_lease_and_a_delay_stored_before_a_step_back_last_at_most_their_length
     async def scenario() -> None:
         core = make_core(queues=["q"])  # visibility timeout 1000 ms
         (leased,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert core.take(consumer) == [leased]
         (delayed,) = await core.enqueue("q", delay_ms=3000)
@@ -112,7 +112,7 @@ def test_a_lease_and_a_delay_stored_before_a_step_back_last_at_most_their_length
         assert len(queue.delayed) == 1
         await core.advance(2000)
         assert len(queue.delayed) == 0
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert sorted(core.take(consumer)) == sorted([leased, delayed])
 
@@ -126,7 +126,7 @@ def test_waits_stored_before_a_step_forward_end_by_the_clock() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         (leased,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert core.take(consumer) == [leased]
         await core.enqueue("q", delay_ms=3000)

@@ -158,7 +158,7 @@ def test_a_lease_expires_on_the_clock_and_the_message_comes_back_counted() -> No
     async def scenario() -> None:
         core = make_core(queues=["q"])
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert core.take(consumer) == [message_id]
         queue = core.broker.queues["q"]
@@ -179,7 +179,7 @@ def test_ack_ends_the_lease_and_deletes_message_and_lease_records() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         core.take(consumer)
         raw = keys.MESSAGE + bytes.fromhex(message_id.replace("-", ""))
@@ -199,7 +199,7 @@ def test_a_batch_frame_records_its_leases_in_one_write() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         ids = await core.enqueue("q", 10)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=10, max_batch=10)
+        consumer = core.broker.attach_consumer("q", prefetch=10, max_batch=10)
         await core.settle()
         writes = core.storage.writes
         assert core.take(consumer) == ids
@@ -212,11 +212,11 @@ def test_delivered_counts_the_messages_sent_not_those_only_buffered() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         await core.enqueue("q", 5)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=5, max_batch=2)
+        consumer = core.broker.attach_consumer("q", prefetch=5, max_batch=2)
         await core.settle()
         assert consumer.unsettled == 5  # all five leased into the stream's buffer
-        assert core.broker.delivery.sending(consumer, 2) is not None  # one frame of two
-        core.broker.delivery.detach_consumer(consumer)  # three go back, never sent
+        assert core.broker.sending(consumer, 2) is not None  # one frame of two
+        core.broker.detach_consumer(consumer)  # three go back, never sent
         queue = core.broker.queues["q"]
         assert queue.counters.delivered == 2
         assert queue.key_deliveries == {"default": 2}
@@ -232,7 +232,7 @@ async def _budget_spent_by_a_stream_that_never_sends() -> CoreBroker:
     big = [service_pb2.EnqueueRequest(queue="a", payload=bytes(1500)) for _ in range(3)]
     _, committed = core.broker.enqueue(big)
     await committed
-    core.broker.delivery.attach_consumer("a", prefetch=10)  # a stream that never sends
+    core.broker.attach_consumer("a", prefetch=10)  # a stream that never sends
     await core.settle()
     assert core.broker.buffers.exhausted
     return core
@@ -241,7 +241,7 @@ async def _budget_spent_by_a_stream_that_never_sends() -> CoreBroker:
 def test_a_stream_that_sends_what_it_gets_is_served_while_unread_streams_spend_the_budget() -> None:
     async def scenario() -> None:
         core = await _budget_spent_by_a_stream_that_never_sends()
-        reading = core.broker.delivery.attach_consumer("b", prefetch=10, max_batch=10)
+        reading = core.broker.attach_consumer("b", prefetch=10, max_batch=10)
         ids = await core.enqueue("b", 5)
         received: list[str] = []
         for _ in range(10):
@@ -256,11 +256,11 @@ def test_a_stream_that_sends_what_it_gets_is_served_while_unread_streams_spend_t
 def test_deleting_a_queue_whose_streams_spent_the_buffer_budget_unblocks_the_others() -> None:
     async def scenario() -> None:
         core = await _budget_spent_by_a_stream_that_never_sends()
-        waiting = core.broker.delivery.attach_consumer("b", prefetch=10, max_batch=10)
+        waiting = core.broker.attach_consumer("b", prefetch=10, max_batch=10)
         ids = await core.enqueue("b", 2)
         # With the budget spent, a stream holds one unsent message at most.
         assert waiting.unsettled == 1
-        await core.broker.admin.delete_queue("a")
+        await core.broker.delete_queue("a")
         await core.settle()
         assert not core.broker.buffers.exhausted
         assert waiting.unsettled == 2, "the budget back, the rest is buffered at once"
@@ -279,7 +279,7 @@ def test_a_frame_counts_against_the_buffer_budget_until_it_is_written() -> None:
         big = [service_pb2.EnqueueRequest(queue="q", payload=bytes(1000)) for _ in range(10)]
         _, committed = core.broker.enqueue(big)
         await committed
-        delivery = core.broker.delivery
+        delivery = core.broker
         consumer = delivery.attach_consumer("q", prefetch=100, max_batch=100)
         await core.settle()
         buffered = consumer.buffered_bytes
@@ -301,7 +301,7 @@ def test_prefetch_bounds_unsettled_messages_per_consumer() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         ids = await core.enqueue("q", 10)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=3, max_batch=10)
+        consumer = core.broker.attach_consumer("q", prefetch=3, max_batch=10)
         await core.settle()
         assert core.take(consumer) == ids[:3]
         assert core.take(consumer) == []
@@ -317,7 +317,7 @@ def test_a_delayed_message_becomes_ready_when_due_on_the_clock() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         (later,) = await core.enqueue("q", delay_ms=5000)
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert core.take(consumer) == []
         assert core.broker.queues["q"].depth == 1
@@ -332,11 +332,11 @@ def test_a_delayed_message_becomes_ready_when_due_on_the_clock() -> None:
 def test_a_nack_with_a_retry_delay_waits_on_the_clock() -> None:
     async def scenario() -> None:
         core = make_core()
-        core.broker.admin.create_queue(
+        core.broker.create_queue(
             "q", "", 'function on_failure(m) return { action = "retry", delay_ms = 2000 } end', 0
         )
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         core.take(consumer)
         _, committed = core.broker.nack([("q", message_id, "boom")])
@@ -352,12 +352,12 @@ def test_a_nack_with_a_retry_delay_waits_on_the_clock() -> None:
 def test_a_throttled_queue_wakes_when_tokens_refill() -> None:
     async def scenario() -> None:
         core = make_core()
-        core.broker.admin.create_queue(
+        core.broker.create_queue(
             "q", 'function on_enqueue(m) return { throttle_keys = { "t" } } end', "", 0
         )
-        await core.broker.admin.set_config("throttle.t", "2,1")
+        await core.broker.set_config("throttle.t", "2,1")
         ids = await core.enqueue("q", 3)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=10, max_batch=10)
+        consumer = core.broker.attach_consumer("q", prefetch=10, max_batch=10)
         await core.settle()
         assert core.take(consumer) == ids[:1]
         await core.advance(499)
@@ -401,12 +401,12 @@ def test_purge_and_peek_see_the_same_messages() -> None:
     async def scenario() -> None:
         core: CoreBroker = make_core(queues=["q"])
         ids = await core.enqueue("q", 5)
-        page, after = core.broker.admin.peek("q", 3, "", "")
+        page, after = core.broker.peek("q", 3, "", "")
         assert [m.id for m in page] == ids[:3] and after == ids[2]
-        count, committed = core.broker.admin.purge("q")
+        count, committed = core.broker.purge("q")
         await committed
         assert count == 5 and core.broker.queues["q"].depth == 0
-        assert core.broker.admin.peek("q", 10, "", "") == ([], "")
+        assert core.broker.peek("q", 10, "", "") == ([], "")
 
     run(scenario)
 
@@ -441,7 +441,7 @@ def test_the_breaker_bypasses_a_failing_hook_for_its_cooldown() -> None:
 def test_a_throttle_wake_returns_only_the_keys_that_are_due() -> None:
     async def scenario() -> None:
         core = make_core()
-        core.broker.admin.create_queue(
+        core.broker.create_queue(
             "q",
             "function on_enqueue(m) return { fairness_key = m.headers.k, "
             "throttle_keys = { m.headers.k } } end",
@@ -450,9 +450,9 @@ def test_a_throttle_wake_returns_only_the_keys_that_are_due() -> None:
         )
         for i in range(100):
             rate = "10,1" if i % 2 == 0 else "1,1"
-            await core.broker.admin.set_config(f"throttle.k{i}", rate)
+            await core.broker.set_config(f"throttle.k{i}", rate)
             await core.enqueue("q", 2, headers={"k": f"k{i}"})
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=1000, max_batch=1000)
+        consumer = core.broker.attach_consumer("q", prefetch=1000, max_batch=1000)
         await core.settle()
         assert len(core.take(consumer)) == 100  # one per key, then every key is parked
         queue = core.broker.queues["q"]

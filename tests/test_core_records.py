@@ -50,11 +50,11 @@ def test_an_expiry_bucket_with_a_bad_record_still_expires_the_others() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         ids = await core.enqueue("q", 5)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=5, max_batch=5)
+        consumer = core.broker.attach_consumer("q", prefetch=5, max_batch=5)
         await core.settle()
         assert core.take(consumer) == ids
         damage(core, ids[2])
-        core.broker.delivery.detach_consumer(consumer)  # sent leases stay until expiry
+        core.broker.detach_consumer(consumer)  # sent leases stay until expiry
         await core.advance(1001)
         queue = core.broker.queues["q"]
         assert len(queue.leases) == 0
@@ -73,13 +73,13 @@ def test_a_lease_whose_record_is_gone_ends_without_stopping_its_bucket() -> None
     async def scenario() -> None:
         core = make_core(queues=["q"])
         ids = await core.enqueue("q", 3)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=3, max_batch=3)
+        consumer = core.broker.attach_consumer("q", prefetch=3, max_batch=3)
         await core.settle()
         assert core.take(consumer) == ids
         batch = Batch()
         batch.delete(key_of(ids[0]))
         core.storage.write(batch)
-        core.broker.delivery.detach_consumer(consumer)
+        core.broker.detach_consumer(consumer)
         await core.advance(1001)
         queue = core.broker.queues["q"]
         assert len(queue.leases) == 0
@@ -120,7 +120,7 @@ def test_a_stream_nack_of_a_bad_record_sets_it_aside_and_the_stream_settles_on()
     async def scenario() -> None:
         core = make_core(queues=["q"])
         ids = await core.enqueue("q", 3)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=3, owns_settlement=True)
+        consumer = core.broker.attach_consumer("q", prefetch=3, owns_settlement=True)
         await core.settle()
         assert core.take(consumer) == ids
         damage(core, ids[0])
@@ -137,20 +137,19 @@ def test_a_stream_nack_of_a_bad_record_sets_it_aside_and_the_stream_settles_on()
 
 def test_redrive_sets_a_bad_dead_letter_aside_and_moves_the_rest() -> None:
     async def scenario() -> None:
-        core = make_core(queues=["q"])
+        core = make_core()
+        core.broker.create_queue("q", "", "", 1000, max_attempts=1)  # one failure: the DLQ
         ids = await core.enqueue("q", 3)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=3)
+        consumer = core.broker.attach_consumer("q", prefetch=3)
         await core.settle()
         core.take(consumer)
-        dlq = core.broker.queues["q.dlq"]
-        for message_id in ids:  # straight to the DLQ through the failure path
-            lease = core.broker.queues["q"].leases.get(key_of(message_id))
-            assert lease is not None
-            core.broker.queues["q"].leases.end(lease)
-            core.broker.ready_after_commit(dlq, [lease.ref], fresh=False)
+        _, committed = core.broker.nack([("q", message_id, "boom") for message_id in ids])
+        await committed
         await core.settle()
+        dlq = core.broker.queues["q.dlq"]
+        assert dlq.depth == 3
         damage(core, ids[1])
-        moved = await core.broker.admin.redrive("q.dlq", 0)
+        moved = await core.broker.redrive("q.dlq", 0)
         await core.settle()
         assert moved == 2
         assert dlq.depth == 0
@@ -163,7 +162,7 @@ def test_recovery_sets_bad_records_aside_and_starts_with_the_rest() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
         ids = await core.enqueue("q", 4)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        consumer = core.broker.attach_consumer("q", prefetch=1)
         await core.settle()
         (leased,) = core.take(consumer)
         assert leased == ids[0]

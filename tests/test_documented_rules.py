@@ -26,18 +26,18 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 
 def _depth(core: CoreBroker, queue: str) -> tuple[int, int]:
     """(depth, in_flight), as GetStats reports them."""
-    stats = core.broker.admin.stats(queue)
+    stats = core.broker.stats(queue)
     return stats.depth, stats.in_flight
 
 
 def _attempts(core: CoreBroker, queue: str) -> dict[str, int]:
     """Every message of `queue` (ready, delayed or leased) and its attempt count."""
-    page, _ = core.broker.admin.peek(queue, 1000, "", "")
+    page, _ = core.broker.peek(queue, 1000, "", "")
     return {m.id: m.metadata.attempt_count for m in page}
 
 
 async def _dead_lettering_queue(core: CoreBroker, *, visibility_timeout_ms: int = 0) -> None:
-    await core.broker.admin.create_queue("q", "", DEAD_LETTER, visibility_timeout_ms)
+    await core.broker.create_queue("q", "", DEAD_LETTER, visibility_timeout_ms)
 
 
 async def _nack(core: CoreBroker, queue: str, *message_ids: str) -> None:
@@ -58,7 +58,7 @@ def test_an_expired_lease_counts_an_attempt_but_does_not_run_on_failure() -> Non
         core = make_core()
         await _dead_lettering_queue(core, visibility_timeout_ms=1000)
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert core.take(consumer) == [message_id]
         await core.advance(1001)
@@ -78,17 +78,17 @@ def test_a_stream_consume_stream_that_ends_returns_what_it_was_sent_without_on_f
         core = make_core()
         await _dead_lettering_queue(core)
         first, second, unsent = await core.enqueue("q", 3)
-        consumer = core.broker.delivery.attach_consumer(
+        consumer = core.broker.attach_consumer(
             "q", prefetch=3, max_batch=2, owns_settlement=True
         )
         await core.settle()
-        assert core.broker.delivery.sending(consumer, 2) is not None  # two of three leave
-        core.broker.delivery.detach_consumer(consumer)
+        assert core.broker.sending(consumer, 2) is not None  # two of three leave
+        core.broker.detach_consumer(consumer)
         await core.settle()
         assert _attempts(core, "q") == {first: 1, second: 1, unsent: 0}
         assert _depth(core, "q") == (3, 0)
         assert _depth(core, "q.dlq") == (0, 0)
-        assert core.broker.admin.stats("q").counters.expired == 2  # counted as expiries
+        assert core.broker.stats("q").counters.expired == 2  # counted as expiries
 
     run(scenario)
 
@@ -99,9 +99,9 @@ def test_extend_lease_may_shorten_a_deadline_and_the_message_comes_back_then() -
     async def scenario() -> None:
         core = make_core()
         # retries at once (no backoff), so the message is back at the deadline itself
-        await core.broker.admin.create_queue("q", "", "", 30_000, retry_backoff="none")
+        await core.broker.create_queue("q", "", "", 30_000, retry_backoff="none")
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert core.take(consumer) == [message_id]
         await core.advance(1000)
@@ -123,15 +123,15 @@ def test_an_expiry_returns_every_lease_of_its_millisecond_sent_or_not() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
-        core.broker.delivery.attach_consumer("q", prefetch=1)  # a stream that never sends
-        busy = core.broker.delivery.attach_consumer("q", prefetch=1)
+        await core.broker.create_queue("q", "", "", 1000, retry_backoff="none")
+        core.broker.attach_consumer("q", prefetch=1)  # a stream that never sends
+        busy = core.broker.attach_consumer("q", prefetch=1)
         unsent, sent = await core.enqueue("q", 2)  # one each, round-robin: idle first
         assert core.take(busy) == [sent]
-        core.broker.delivery.detach_consumer(busy)
+        core.broker.detach_consumer(busy)
         await core.advance(1001)
         assert _attempts(core, "q") == {unsent: 0, sent: 1}
-        assert core.broker.admin.stats("q").counters.expired == 1
+        assert core.broker.stats("q").counters.expired == 1
 
     run(scenario)
 
@@ -142,9 +142,9 @@ def test_a_retried_message_goes_back_to_the_front_of_its_key() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
+        await core.broker.create_queue("q", "", "", 1000, retry_backoff="none")
         ids = await core.enqueue("q", 3)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        consumer = core.broker.attach_consumer("q", prefetch=1)
         await core.settle()
         assert core.take(consumer) == ids[:1]
         await _nack(core, "q", ids[0])
@@ -165,22 +165,22 @@ def test_a_retry_does_not_change_its_keys_weight() -> None:
             "function on_enqueue(m) "
             'return { fairness_key = "k", weight = tonumber(m.headers.w) } end'
         )
-        await core.broker.admin.create_queue("q", weighted, "", 1000, retry_backoff="none")
+        await core.broker.create_queue("q", weighted, "", 1000, retry_backoff="none")
         (light,) = await core.enqueue("q", headers={"w": "1"})
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        consumer = core.broker.attach_consumer("q", prefetch=1)
         await core.settle()  # `light` is leased into the stream's buffer, not sent
         await core.enqueue("q", headers={"w": "5"})
 
         def weight() -> int:
-            (key,) = core.broker.admin.stats("q").per_key
+            (key,) = core.broker.stats("q").per_key
             return key.weight
 
         assert weight() == 5
-        core.broker.delivery.detach_consumer(consumer)
+        core.broker.detach_consumer(consumer)
         await core.settle()
         assert weight() == 5, "after a return unsent"
         await core.enqueue("q", headers={"w": "1"})  # the newest: the key's weight is 1
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        consumer = core.broker.attach_consumer("q", prefetch=1)
         await core.settle()
         assert core.take(consumer) == [light]
         await core.enqueue("q", headers={"w": "5"})
@@ -198,12 +198,12 @@ def test_dead_letters_keep_id_order_in_the_dlq_whatever_order_they_failed_in() -
         core = make_core()
         await _dead_lettering_queue(core)
         older, newer = await core.enqueue("q", 2)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=2)
+        consumer = core.broker.attach_consumer("q", prefetch=2)
         await core.settle()
         assert core.take(consumer) == [older, newer]
         await _nack(core, "q", newer)
         await _nack(core, "q", older)
-        dead = core.broker.delivery.attach_consumer("q.dlq", prefetch=2)
+        dead = core.broker.attach_consumer("q.dlq", prefetch=2)
         await core.settle()
         assert core.take(dead) == [older, newer]
 
@@ -220,9 +220,9 @@ def test_on_failure_sees_the_attempts_including_this_failure() -> None:
             "function on_failure(m) if m.attempts >= 2 then "
             'return { action = "dlq" } end return { action = "retry" } end'
         )
-        await core.broker.admin.create_queue("q", "", script, 0)
+        await core.broker.create_queue("q", "", script, 0)
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         core.take(consumer)
         await _nack(core, "q", message_id)
@@ -243,8 +243,8 @@ def test_a_hook_retry_delay_is_waited_in_full_on_the_clock() -> None:
             "function on_failure(m) "
             'return { action = "retry", delay_ms = tonumber(m.headers.d) } end'
         )
-        await core.broker.admin.create_queue("q", "", script, 0)
-        consumer = core.broker.delivery.attach_consumer("q")
+        await core.broker.create_queue("q", "", script, 0)
+        consumer = core.broker.attach_consumer("q")
         for delay in (2000, 1):
             (message_id,) = await core.enqueue("q", headers={"d": str(delay)})
             assert core.take(consumer) == [message_id]
@@ -265,9 +265,9 @@ def test_an_extended_lease_outlives_its_old_deadline_and_leaves_its_neighbours_a
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
+        await core.broker.create_queue("q", "", "", 1000, retry_backoff="none")
         kept, other = await core.enqueue("q", 2)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=2, max_batch=2)
+        consumer = core.broker.attach_consumer("q", prefetch=2, max_batch=2)
         await core.settle()
         assert core.take(consumer) == [kept, other]  # one millisecond, one deadline
         deadline, committed = core.broker.extend_lease("q", kept, 5000)
@@ -288,9 +288,9 @@ def test_an_extension_is_stored_and_survives_a_restart() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 1000, retry_backoff="none")
+        await core.broker.create_queue("q", "", "", 1000, retry_backoff="none")
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         assert core.take(consumer) == [message_id]
         _, committed = core.broker.extend_lease("q", message_id, 60_000)
@@ -310,9 +310,9 @@ def test_a_batch_nack_applies_each_item_on_its_own_and_counts_it() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 0, retry_backoff="none")
+        await core.broker.create_queue("q", "", "", 0, retry_backoff="none")
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         core.take(consumer)
         results, committed = core.broker.nack(
@@ -325,7 +325,7 @@ def test_a_batch_nack_applies_each_item_on_its_own_and_counts_it() -> None:
             "NoneType",
         ]
         assert _attempts(core, "q") == {message_id: 1}
-        assert core.broker.admin.stats("q").counters.nacked == 1
+        assert core.broker.stats("q").counters.nacked == 1
 
     run(scenario)
 
@@ -333,10 +333,10 @@ def test_a_batch_nack_applies_each_item_on_its_own_and_counts_it() -> None:
 def test_a_delayed_message_purged_before_it_is_due_stays_gone() -> None:
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 0)
+        await core.broker.create_queue("q", "", "", 0)
         await core.enqueue("q", delay_ms=1000)
-        consumer = core.broker.delivery.attach_consumer("q")
-        count, committed = core.broker.admin.purge("q")
+        consumer = core.broker.attach_consumer("q")
+        count, committed = core.broker.purge("q")
         await committed
         assert count == 1
         await core.advance(1000)  # its timer fires with nothing to release
@@ -357,12 +357,12 @@ def test_a_nack_in_a_dlq_retries_at_once_in_the_dlq() -> None:
         core = make_core()
         await _dead_lettering_queue(core)
         (message_id,) = await core.enqueue("q")
-        consumer = core.broker.delivery.attach_consumer("q")
+        consumer = core.broker.attach_consumer("q")
         await core.settle()
         core.take(consumer)
         await _nack(core, "q", message_id)
         assert _attempts(core, "q.dlq") == {message_id: 1}
-        dead = core.broker.delivery.attach_consumer("q.dlq")
+        dead = core.broker.attach_consumer("q.dlq")
         await core.settle()
         assert core.take(dead) == [message_id]
         await _nack(core, "q.dlq", message_id)
@@ -394,11 +394,11 @@ def test_max_queue_depth_never_refuses_dead_lettering() -> None:
         for _ in range(2):  # two rounds of two: the DLQ is full after the first
             ids = await core.enqueue("q", 2)
             assert await _refused(core, "q"), "the limit is in force"
-            consumer = core.broker.delivery.attach_consumer("q", prefetch=10)
+            consumer = core.broker.attach_consumer("q", prefetch=10)
             await core.settle()
             assert core.take(consumer) == ids
             await _nack(core, "q", *ids)
-            core.broker.delivery.detach_consumer(consumer)
+            core.broker.detach_consumer(consumer)
             failed += ids
         assert _depth(core, "q.dlq") == (4, 0)
         assert set(_attempts(core, "q.dlq")) == set(failed)
@@ -414,14 +414,14 @@ def test_max_queue_depth_never_refuses_redrive() -> None:
         core = _bounded(2)
         await _dead_lettering_queue(core)
         dead = await core.enqueue("q", 2)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=10)
+        consumer = core.broker.attach_consumer("q", prefetch=10)
         await core.settle()
         assert core.take(consumer) == dead
         await _nack(core, "q", *dead)
-        core.broker.delivery.detach_consumer(consumer)
+        core.broker.detach_consumer(consumer)
         full = await core.enqueue("q", 2)
         assert await _refused(core, "q"), "the queue is full"
-        moved = await core.broker.admin.redrive("q.dlq", 0)
+        moved = await core.broker.redrive("q.dlq", 0)
         await core.settle()
         assert moved == 2
         assert _depth(core, "q") == (4, 0)
@@ -439,9 +439,9 @@ def test_prefetch_is_capped_by_max_prefetch() -> None:
 
     async def scenario() -> None:
         core = make_core(config=parse_config("[scheduler]\nmax_prefetch = 5\n", "test"))
-        await core.broker.admin.create_queue("q", "", "", 0)
+        await core.broker.create_queue("q", "", "", 0)
         ids = await core.enqueue("q", 12)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=100, max_batch=100)
+        consumer = core.broker.attach_consumer("q", prefetch=100, max_batch=100)
         await core.settle()
         assert core.take(consumer) == ids[:5]
         assert core.take(consumer) == []
@@ -456,12 +456,12 @@ def test_a_peek_limit_over_1000_is_treated_as_1000() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 0)
+        await core.broker.create_queue("q", "", "", 0)
         ids = await core.enqueue("q", 1001)
-        page, after = core.broker.admin.peek("q", 100_000, "", "")
+        page, after = core.broker.peek("q", 100_000, "", "")
         assert [m.id for m in page] == ids[:1000]
         assert after == ids[999]
-        rest, end = core.broker.admin.peek("q", 100_000, after, "")
+        rest, end = core.broker.peek("q", 100_000, after, "")
         assert ([m.id for m in rest], end) == (ids[1000:], "")
 
     run(scenario)
@@ -473,7 +473,7 @@ def test_a_peek_page_stops_at_about_3_mib() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 0)
+        await core.broker.create_queue("q", "", "", 0)
         requests = [
             service_pb2.EnqueueRequest(queue="q", payload=bytes(700 * 1024)) for _ in range(10)
         ]
@@ -485,7 +485,7 @@ def test_a_peek_page_stops_at_about_3_mib() -> None:
         after = ""
         pages = 0
         while True:
-            page, after = core.broker.admin.peek("q", 1000, after, "")
+            page, after = core.broker.peek("q", 1000, after, "")
             pages += 1
             # 4 x 700 KiB fit under 3 MiB, a fifth would not: "about 3 MiB", both ways
             assert len(page) == min(4, 10 - len(seen))

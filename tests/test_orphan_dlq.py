@@ -66,14 +66,14 @@ async def _orders_and_billing() -> CoreBroker:
     """Two queues that dead-letter on failure, `orders` with one dead letter."""
     core = make_core()
     for name in ("orders", "billing"):
-        await core.broker.admin.create_queue(name, "", TO_DLQ, 5000)
+        await core.broker.create_queue(name, "", TO_DLQ, 5000)
     await _dead_letter(core, "orders", 1)
     return core
 
 
 async def _redrive_all(core: CoreBroker, dlq: str) -> int:
     """Redrives every message of `dlq` into its queue; returns how many moved."""
-    redriven = await core.broker.admin.redrive(dlq, 0)
+    redriven = await core.broker.redrive(dlq, 0)
     await core.settle()
     return redriven
 
@@ -82,13 +82,13 @@ async def _dead_letter(core: CoreBroker, queue: str, count: int) -> list[str]:
     """Enqueues `count` messages on `queue` (whose on_failure is `TO_DLQ`, and which
     holds nothing ready yet) and nacks each into the DLQ; returns their ids."""
     dead = await core.enqueue(queue, count)
-    consumer = core.broker.delivery.attach_consumer(queue)
+    consumer = core.broker.attach_consumer(queue)
     await core.settle()
     assert core.take(consumer) == dead
     results, committed = core.broker.nack([(queue, m, "boom") for m in dead])
     await committed
     assert results == [None] * count
-    core.broker.delivery.detach_consumer(consumer)
+    core.broker.detach_consumer(consumer)
     await core.settle()
     return dead
 
@@ -97,7 +97,7 @@ async def _orphaned(config: Config | None = None) -> tuple[CoreBroker, RecoveryR
     """A broker started on data where `orders` (3 messages) lost its record and
     `orders.dlq` (1 dead-lettered message) kept its own."""
     core = make_core()
-    await core.broker.admin.create_queue("orders", "", TO_DLQ, 1000)
+    await core.broker.create_queue("orders", "", TO_DLQ, 1000)
     await _dead_letter(core, "orders", 1)
     await core.enqueue("orders", 3)
     _lose_record(core, "orders")
@@ -129,11 +129,11 @@ def test_creating_a_queue_again_adopts_its_orphaned_dlq_and_a_restart_brings_all
         # The orphan is served as the ordinary queue it is, and reported.
         assert report.orphans == 3 and report.orphan_dlqs == ["orders.dlq"]
         assert any("dead-letter queue's queue does not exist" in r.message for r in caplog.records)
-        assert [q.name for q in core.broker.admin.list_queues()] == ["orders.dlq"]
-        assert core.broker.admin.stats("orders.dlq").depth == 1
+        assert [q.name for q in core.broker.list_queues()] == ["orders.dlq"]
+        assert core.broker.stats("orders.dlq").depth == 1
 
-        await core.broker.admin.create_queue("orders", "", TO_DLQ, 5000)
-        assert [q.name for q in core.broker.admin.list_queues()] == ["orders", "orders.dlq"]
+        await core.broker.create_queue("orders", "", TO_DLQ, 5000)
+        assert [q.name for q in core.broker.list_queues()] == ["orders", "orders.dlq"]
         dlq = core.broker.queues["orders.dlq"]
         assert dlq.depth == 1, "the adopted DLQ lost its messages"
         assert dlq.record.visibility_timeout_ms == 5000
@@ -141,15 +141,15 @@ def test_creating_a_queue_again_adopts_its_orphaned_dlq_and_a_restart_brings_all
         assert _stored(core, "orders") == core.broker.queues["orders"].record
         # adopted: the DLQ of a live queue again, so it goes only with that queue
         with pytest.raises(InvalidArgument, match="is the dead-letter queue of"):
-            core.broker.admin.delete_queue("orders.dlq")
+            core.broker.delete_queue("orders.dlq")
 
         core, report = restarted(core)
         assert report.orphans == 0 and report.orphan_dlqs == []
-        assert core.broker.admin.stats("orders").depth == 3
-        assert core.broker.admin.stats("orders.dlq").depth == 1
+        assert core.broker.stats("orders").depth == 3
+        assert core.broker.stats("orders.dlq").depth == 1
         # and a redrive moves the dead letter home
         redriven = await _redrive_all(core, "orders.dlq")
-        assert redriven == 1 and core.broker.admin.stats("orders").depth == 4
+        assert redriven == 1 and core.broker.stats("orders").depth == 4
 
     run(scenario)
 
@@ -157,16 +157,16 @@ def test_creating_a_queue_again_adopts_its_orphaned_dlq_and_a_restart_brings_all
 def test_an_orphaned_dlq_may_be_deleted_on_its_own() -> None:
     async def scenario() -> None:
         core, _ = await _orphaned()
-        await core.broker.admin.delete_queue("orders.dlq")
+        await core.broker.delete_queue("orders.dlq")
         await core.settle()
         assert "orders.dlq" not in core.broker.queues
         assert _stored(core, "orders.dlq") is None
         stored = [m for m in core.storage.scan(keys.MESSAGE)]
         assert len(stored) == 3, "deleting the orphan touched the queue's own messages"
-        await core.broker.admin.create_queue("orders", "", "", 1000)  # a fresh DLQ
+        await core.broker.create_queue("orders", "", "", 1000)  # a fresh DLQ
         assert core.broker.queues["orders.dlq"].depth == 0
         core, report = restarted(core)
-        assert report.orphans == 0 and core.broker.admin.stats("orders").depth == 3
+        assert report.orphans == 0 and core.broker.stats("orders").depth == 3
 
     run(scenario)
 
@@ -174,7 +174,7 @@ def test_an_orphaned_dlq_may_be_deleted_on_its_own() -> None:
 def test_adopting_an_orphaned_dlq_counts_one_queue_against_max_queues() -> None:
     async def scenario() -> None:
         core, _ = await _orphaned(parse_config("[server]\nmax_queues = 1\n", "test"))
-        await core.broker.admin.create_queue("orders", "", "", 1000)
+        await core.broker.create_queue("orders", "", "", 1000)
         assert sorted(core.broker.queues) == ["orders", "orders.dlq"]
 
     run(scenario)
@@ -184,11 +184,11 @@ def test_the_normal_rules_hold_for_a_dlq_with_a_live_queue_and_for_dlq_names() -
     async def scenario() -> None:
         core = make_core(queues=["orders"])
         with pytest.raises(InvalidArgument, match="reserved for dead-letter queues"):
-            core.broker.admin.create_queue("orders.dlq", "", "", 1000)
+            core.broker.create_queue("orders.dlq", "", "", 1000)
         with pytest.raises(InvalidArgument, match="is the dead-letter queue of"):
-            core.broker.admin.delete_queue("orders.dlq")
+            core.broker.delete_queue("orders.dlq")
         with pytest.raises(QueueAlreadyExists):
-            core.broker.admin.create_queue("orders", "", "", 1000)
+            core.broker.create_queue("orders", "", "", 1000)
 
     run(scenario)
 
@@ -231,15 +231,15 @@ def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
     async def scenario() -> None:
         caplog.set_level(logging.WARNING, logger="fila.recovery")
         core = make_core()
-        await core.broker.admin.create_queue("orders", "", TO_DLQ, 5000)
+        await core.broker.create_queue("orders", "", TO_DLQ, 5000)
         leased, ready = await _dead_letter(core, "orders", 2)
         # one dead letter is being consumed from the DLQ when the damage happens
-        reader = core.broker.delivery.attach_consumer("orders.dlq", prefetch=1)
+        reader = core.broker.attach_consumer("orders.dlq", prefetch=1)
         await core.settle()
         assert core.take(reader) == [leased]
-        core.broker.delivery.detach_consumer(reader)  # sent: stays leased
+        core.broker.detach_consumer(reader)  # sent: stays leased
         await core.settle()
-        assert core.broker.admin.stats("orders.dlq").in_flight == 1
+        assert core.broker.stats("orders.dlq").in_flight == 1
         await core.enqueue("orders", 2)
         lost = _stored(core, "orders.dlq")
         assert lost is not None
@@ -255,19 +255,19 @@ def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
         dlq = core.broker.queues["orders.dlq"]
         assert dlq.record == lost and dlq.record.visibility_timeout_ms == 5000
         assert _stored(core, "orders.dlq") == lost
-        assert [q.name for q in core.broker.admin.list_queues()] == ["orders", "orders.dlq"]
+        assert [q.name for q in core.broker.list_queues()] == ["orders", "orders.dlq"]
         # Its stored messages are its own again: counted, peeked, settled.
-        stats = core.broker.admin.stats("orders.dlq")
+        stats = core.broker.stats("orders.dlq")
         assert (stats.depth, stats.in_flight) == (1, 1)
-        assert core.broker.admin.stats("orders").depth == 2
-        page, _ = core.broker.admin.peek("orders.dlq", 0, "", "")
+        assert core.broker.stats("orders").depth == 2
+        page, _ = core.broker.peek("orders.dlq", 0, "", "")
         assert sorted(m.id for m in page) == sorted([ready, leased])
         results, committed = core.broker.ack([("orders.dlq", leased)])
         await committed
         assert results == [None]
 
         # A nack to "dlq" dead-letters again instead of retrying.
-        consumer = core.broker.delivery.attach_consumer("orders")
+        consumer = core.broker.attach_consumer("orders")
         await core.settle()
         taken = core.take(consumer)
         assert len(taken) == 2
@@ -276,15 +276,15 @@ def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
         await core.settle()
         assert results == [None, None]
         assert core.broker.queues["orders"].counters.dead_lettered == 2
-        assert core.broker.admin.stats("orders.dlq").depth == 3
-        core.broker.delivery.detach_consumer(consumer)
+        assert core.broker.stats("orders.dlq").depth == 3
+        core.broker.detach_consumer(consumer)
 
         # The next start reads the written record: nothing to recreate, nothing lost.
         core, report = restarted(core)
         assert report.recreated_dlqs == [] and report.orphans == 0
-        assert core.broker.admin.stats("orders.dlq").depth == 3
+        assert core.broker.stats("orders.dlq").depth == 3
         redriven = await _redrive_all(core, "orders.dlq")
-        assert redriven == 3 and core.broker.admin.stats("orders").depth == 3
+        assert redriven == 3 and core.broker.stats("orders").depth == 3
 
     run(scenario)
 
@@ -367,11 +367,11 @@ def test_a_record_whose_dlq_link_disagrees_with_its_name_is_corrected_from_the_n
             assert _stored(core, name) == record
 
         await _dead_letter(core, "orders", 1)
-        assert core.broker.admin.stats("orders.dlq").depth == 2
+        assert core.broker.stats("orders.dlq").depth == 2
         redriven = await _redrive_all(core, "orders.dlq")
         assert redriven == 2
-        assert core.broker.admin.stats("orders").depth == 2
-        assert core.broker.admin.stats("billing").depth == 0
+        assert core.broker.stats("orders").depth == 2
+        assert core.broker.stats("billing").depth == 0
 
         core, report = restarted(core)  # the corrected record was written: nothing to do
         assert report.relinked_queues == []
@@ -406,14 +406,14 @@ def test_an_orphaned_dlq_whose_record_names_another_queue_is_taken_back_by_its_o
         assert any("dead-letter link disagreed" in m for m in messages)
         assert any("dead-letter queue's queue does not exist" in m for m in messages)
 
-        await core.broker.admin.create_queue("orders", "", TO_DLQ, 5000)
-        assert core.broker.admin.stats("orders.dlq").depth == 1
+        await core.broker.create_queue("orders", "", TO_DLQ, 5000)
+        assert core.broker.stats("orders.dlq").depth == 1
         core, report = restarted(core)
         assert report.relinked_queues == [] and report.orphans == 0
-        assert core.broker.admin.stats("orders").depth == 3
+        assert core.broker.stats("orders").depth == 3
         redriven = await _redrive_all(core, "orders.dlq")
-        assert redriven == 1 and core.broker.admin.stats("orders").depth == 4
-        assert core.broker.admin.stats("billing").depth == 0
+        assert redriven == 1 and core.broker.stats("orders").depth == 4
+        assert core.broker.stats("billing").depth == 0
 
     run(scenario)
 

@@ -75,9 +75,9 @@ async def _stored(core: CoreBroker, message_id: str) -> messages_pb2.Message:
 def test_a_nacked_message_waits_on_the_curve_then_goes_to_the_dlq() -> None:
     async def scenario() -> None:
         core = make_core()  # jitter pinned at its middle: waits of exactly 1 s, 2 s, ...
-        await core.broker.admin.create_queue("jobs", "", "", 0, max_attempts=3)
+        await core.broker.create_queue("jobs", "", "", 0, max_attempts=3)
         (message_id,) = await core.enqueue("jobs")
-        consumer = core.broker.delivery.attach_consumer("jobs")
+        consumer = core.broker.attach_consumer("jobs")
         for attempt, wait_ms in ((1, 1000), (2, 2000)):
             await core.settle()
             assert core.take(consumer) == [message_id]
@@ -85,13 +85,13 @@ def test_a_nacked_message_waits_on_the_curve_then_goes_to_the_dlq() -> None:
             assert results == [None]
             await core.advance(wait_ms - 1)
             assert core.take(consumer) == [], f"back before its {wait_ms} ms wait"
-            stats = core.broker.admin.stats("jobs")
+            stats = core.broker.stats("jobs")
             assert (stats.depth, stats.delayed) == (1, 1)
             await core.advance(1)
         assert core.take(consumer) == [message_id]
         core.broker.nack([("jobs", message_id, "boom 3")])  # the third failure: DLQ
         await core.settle()
-        assert core.broker.admin.stats("jobs").depth == 0
+        assert core.broker.stats("jobs").depth == 0
         assert core.broker.queues["jobs.dlq"].depth == 1
         stored = await _stored(core, message_id)
         meta = stored.metadata
@@ -107,9 +107,9 @@ def test_the_jitter_draw_moves_the_wait_within_its_bounds() -> None:
     async def scenario() -> None:
         for draw, wait_ms in ((0.0, 750), (0.999, 1249)):
             core = make_core(random=lambda draw=draw: draw)
-            await core.broker.admin.create_queue("jobs", "", "", 0)
+            await core.broker.create_queue("jobs", "", "", 0)
             (message_id,) = await core.enqueue("jobs")
-            consumer = core.broker.delivery.attach_consumer("jobs")
+            consumer = core.broker.attach_consumer("jobs")
             await core.settle()
             core.take(consumer)
             core.broker.nack([("jobs", message_id, "e")])
@@ -124,12 +124,12 @@ def test_the_jitter_draw_moves_the_wait_within_its_bounds() -> None:
 def test_a_hook_decides_before_the_policy() -> None:
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("hooked", "", RETRY_AT_ONCE, 0, max_attempts=1)
-        await core.broker.admin.create_queue("dead", "", TO_DLQ, 0, max_attempts=25)
+        await core.broker.create_queue("hooked", "", RETRY_AT_ONCE, 0, max_attempts=1)
+        await core.broker.create_queue("dead", "", TO_DLQ, 0, max_attempts=25)
         (retried,) = await core.enqueue("hooked")
         (dead,) = await core.enqueue("dead")
-        hooked = core.broker.delivery.attach_consumer("hooked")
-        dying = core.broker.delivery.attach_consumer("dead")
+        hooked = core.broker.attach_consumer("hooked")
+        dying = core.broker.attach_consumer("dead")
         await core.settle()
         for _ in range(3):  # past max_attempts=1, and at once: the hook said retry
             assert core.take(hooked) == [retried]
@@ -146,9 +146,9 @@ def test_a_hook_decides_before_the_policy() -> None:
 def test_expiry_follows_the_policy_and_a_closed_stream_returns_at_once() -> None:
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("jobs", "", "", 1000, max_attempts=2)
+        await core.broker.create_queue("jobs", "", "", 1000, max_attempts=2)
         (message_id,) = await core.enqueue("jobs")
-        consumer = core.broker.delivery.attach_consumer("jobs")
+        consumer = core.broker.attach_consumer("jobs")
         await core.settle()
         assert core.take(consumer) == [message_id]
         await core.advance(1000)  # the lease expires: attempt 1, a 1 s wait
@@ -166,9 +166,9 @@ def test_expiry_follows_the_policy_and_a_closed_stream_returns_at_once() -> None
 def test_last_error_is_clipped_and_kept_across_redrive() -> None:
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("jobs", "", "", 0, max_attempts=1)
+        await core.broker.create_queue("jobs", "", "", 0, max_attempts=1)
         (message_id,) = await core.enqueue("jobs")
-        consumer = core.broker.delivery.attach_consumer("jobs")
+        consumer = core.broker.attach_consumer("jobs")
         await core.settle()
         core.take(consumer)
         core.broker.nack([("jobs", message_id, "é" * 5000)])
@@ -176,7 +176,7 @@ def test_last_error_is_clipped_and_kept_across_redrive() -> None:
         dead = await _stored(core, message_id)
         assert len(dead.metadata.last_error.encode()) <= 4096
         assert dead.metadata.last_error.endswith("[truncated, 10000 bytes in all]")
-        count = await core.broker.admin.redrive("jobs.dlq", 0)
+        count = await core.broker.redrive("jobs.dlq", 0)
         back = await _stored(core, message_id)
         assert (count, back.metadata.queue_id, back.metadata.attempt_count) == (1, "jobs", 0)
         assert back.metadata.last_error == dead.metadata.last_error
@@ -190,27 +190,27 @@ def test_peek_states_and_counts_add_up_to_depth() -> None:
         core = make_core(queues=["q"])
         ready, leased = await core.enqueue("q", 2)
         (delayed,) = await core.enqueue("q", delay_ms=600_000)
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        consumer = core.broker.attach_consumer("q", prefetch=1)
         await core.settle()
         assert core.take(consumer) == [ready]
         now = core.clock.now_ms()
         core.committer.flush_now()
-        page, states, after = core.broker.admin.peek_states("q", 0, "", "")
+        page, states, after = core.broker.peek_states("q", 0, "", "")
         assert [m.id for m in page] == [ready, leased, delayed] and after == ""
         assert [(s.state, s.ready_at_ms, s.lease_deadline_ms) for s in states] == [
             (MessageState.LEASED, 0, now + 1000),
             (MessageState.READY, 0, 0),
             (MessageState.DELAYED, now + 600_000, 0),
         ]
-        only = core.broker.admin.peek_states("q", 0, "", "", MessageState.DELAYED)
+        only = core.broker.peek_states("q", 0, "", "", MessageState.DELAYED)
         assert [m.id for m in only[0]] == [delayed]
-        assert [m.id for m in core.broker.admin.peek_states("q", 0, "", "", 3)[0]] == [ready]
-        stats = core.broker.admin.stats("q")
+        assert [m.id for m in core.broker.peek_states("q", 0, "", "", 3)[0]] == [ready]
+        stats = core.broker.stats("q")
         ready_count = sum(k.pending for k in stats.per_key)
         assert (stats.depth, stats.delayed, stats.in_flight, ready_count) == (2, 1, 1, 1)
         assert stats.depth == ready_count + stats.delayed
         with pytest.raises(InvalidArgument, match="not a message state"):
-            core.broker.admin.peek_states("q", 0, "", "", 7)
+            core.broker.peek_states("q", 0, "", "", 7)
 
     run(scenario())
 
@@ -218,7 +218,7 @@ def test_peek_states_and_counts_add_up_to_depth() -> None:
 def test_update_queue_checks_everything_before_it_changes_anything() -> None:
     async def scenario() -> None:
         core = make_core(queues=["q"])
-        admin = core.broker.admin
+        admin = core.broker
         before = core.broker.queues["q"].record
         bad = [
             ({"on_enqueue_script": "function on_enqueue(m) os.execute() end"}, "os.execute"),
@@ -255,12 +255,12 @@ def test_an_update_applies_to_messages_enqueued_after_it() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", keyed % "before", "", 0)
+        await core.broker.create_queue("q", keyed % "before", "", 0)
         (first,) = await core.enqueue("q")
-        _, committed = core.broker.admin.update_queue("q", {"on_enqueue_script": keyed % "after"})
+        _, committed = core.broker.update_queue("q", {"on_enqueue_script": keyed % "after"})
         (second,) = await core.enqueue("q")
         await committed
-        page, _ = core.broker.admin.peek("q", 0, "", "")
+        page, _ = core.broker.peek("q", 0, "", "")
         assert [(m.id, m.metadata.fairness_key) for m in page] == [
             (first, "before"),
             (second, "after"),
@@ -277,12 +277,12 @@ def test_hook_errors_are_counted_with_the_last_text_and_time() -> None:
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", failing, "", 0)
+        await core.broker.create_queue("q", failing, "", 0)
         await core.enqueue("q", headers={"bad": "tenant"})
         await core.advance(5000)
         await core.enqueue("q")
         await core.enqueue("q", headers={"bad": "key"})
-        stats = core.broker.admin.stats("q")
+        stats = core.broker.stats("q")
         assert stats.hook_errors_total == 2
         assert stats.last_hook_error.endswith("no key")
         assert stats.last_hook_error_at_ms == core.clock.now_ms()

@@ -115,8 +115,8 @@ def workload() -> Iterator[_Both]:
 
     async def build() -> CoreBroker:
         core = make_core(queues=[f"plain-{i}" for i in range(5)])
-        core.broker.admin.create_queue("hooked", ON_ENQUEUE, ON_FAILURE, 1000)
-        core.broker.admin.create_queue("enqueue-only:x", ON_ENQUEUE, "", 1000)
+        core.broker.create_queue("hooked", ON_ENQUEUE, ON_FAILURE, 1000)
+        core.broker.create_queue("enqueue-only:x", ON_ENQUEUE, "", 1000)
         return core
 
     core = asyncio.run(build())

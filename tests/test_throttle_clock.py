@@ -35,14 +35,14 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 
 async def _queue(*throttles: tuple[str, str]) -> CoreBroker:
     core = make_core()
-    await core.broker.admin.create_queue("q", ON_ENQUEUE, "", 0)
+    await core.broker.create_queue("q", ON_ENQUEUE, "", 0)
     for key, value in throttles:
         await _set(core, key, value)
     return core
 
 
 async def _set(core: CoreBroker, key: str, value: str) -> None:
-    await core.broker.admin.set_config(f"throttle.{key}", value)
+    await core.broker.set_config(f"throttle.{key}", value)
     await core.settle()
 
 
@@ -52,7 +52,7 @@ async def _backlog(core: CoreBroker, count: int, th: str, fk: str = "default") -
 
 def _consumer(core: CoreBroker) -> Consumer:
     """A consumer that never runs out of room: only the throttles hold messages back."""
-    return core.broker.delivery.attach_consumer("q", prefetch=10_000, max_batch=10_000)
+    return core.broker.attach_consumer("q", prefetch=10_000, max_batch=10_000)
 
 
 async def _timeline(core: CoreBroker, consumer: Consumer, until_ms: int) -> list[tuple[int, str]]:
@@ -149,7 +149,7 @@ def test_removing_a_throttle_releases_its_backlog_at_once() -> None:
         assert core.take(consumer) == ids[:1]
         await _set(core, "r", "")  # no clock movement: released by the change itself
         assert core.take(consumer) == ids[1:]
-        assert core.broker.admin.stats("q").per_throttle == []
+        assert core.broker.stats("q").per_throttle == []
 
     run(scenario)
 
@@ -176,7 +176,7 @@ def test_a_bucket_starts_full_after_a_restart_and_keeps_its_rate() -> None:
         assert 4 <= len(await _timeline(core, consumer, 2000)) <= 5  # burst 1 + ~4 at 2/s
         core.broker.close()
         core, _ = restarted(core)
-        stats = {t.key: t for t in core.broker.admin.stats("q").per_throttle}
+        stats = {t.key: t for t in core.broker.stats("q").per_throttle}
         assert (stats["rs"].rate_per_second, stats["rs"].burst, stats["rs"].tokens) == (
             2.0,
             1.0,
@@ -201,7 +201,7 @@ def test_retuning_a_bucket_keeps_its_tokens_capped_at_the_new_burst() -> None:
         assert core.take(consumer) == ids[:10]
         await _set(core, "k", "0.001,20")  # a bigger burst gives no tokens
         assert core.take(consumer) == []
-        stats = {t.key: t for t in core.broker.admin.stats("q").per_throttle}
+        stats = {t.key: t for t in core.broker.stats("q").per_throttle}
         assert (stats["k"].burst, stats["k"].tokens < 1) == (20.0, True)
 
     run(scenario)

@@ -357,7 +357,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         if not self._lease.serving:
             raise self._lease.fenced_error()
         config = request.config
-        self._broker.admin.check_create(
+        self._broker.check_create(
             name,
             config.on_enqueue_script,
             config.on_failure_script,

@@ -75,7 +75,7 @@ class ClusterNode:
             broker.end_consumers,
             self._addresses,
         )
-        self.config = SharedConfig(self._etcd, self.layout, self.mirror, broker.admin)
+        self.config = SharedConfig(self._etcd, self.layout, self.mirror, broker)
         store = EtcdKeyStore(self._etcd, self.layout, self.mirror)
         self.keyring = Keyring(store, SystemClock(), config.auth.bootstrap_apikey)
         key_mirror = KeyMirror(self.keyring)

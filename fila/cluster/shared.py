@@ -31,7 +31,7 @@ from collections.abc import Awaitable, Callable
 from fila.cluster.etcd import Etcd
 from fila.cluster.layout import Layout
 from fila.cluster.mirror import Mirror
-from fila.core.administration import Administration
+from fila.core.broker import Broker
 from fila.core.errors import InvalidArgument
 from fila.core.runtime_config import validate_entry
 from fila.security import apikeys
@@ -55,23 +55,23 @@ class Section:
 
 
 class SharedConfig:
-    def __init__(self, etcd: Etcd, layout: Layout, mirror: Mirror, admin: Administration) -> None:
+    def __init__(self, etcd: Etcd, layout: Layout, mirror: Mirror, broker: Broker) -> None:
         self._etcd = etcd
         self._layout = layout
         self._mirror = mirror
-        self._admin = admin
+        self._broker = broker
 
     def section(self) -> Section:
         """Mirrors `<prefix>/config/` into this node's broker."""
-        return Section(self._apply, lambda key: self._admin.restore_config(key, ""))
+        return Section(self._apply, lambda key: self._broker.apply_config(key, ""))
 
     def _apply(self, key: str, value: bytes) -> None:
-        self._admin.restore_config(key, value.decode(errors="replace"))
+        self._broker.apply_config(key, value.decode(errors="replace"))
 
     def forget_local(self) -> None:
         """Drops config recovered from this node's own storage: in a cluster, etcd's
         config is the config (what was stored locally is logged and ignored)."""
-        local = self._admin.broker.config.items()
+        local = self._broker.config.items()
         if local:
             log.warning(
                 "ignoring %d runtime config entries in this node's storage: in cluster mode "
@@ -79,7 +79,7 @@ class SharedConfig:
                 len(local),
             )
         for key, _value in local:
-            self._admin.restore_config(key, "")
+            self._broker.apply_config(key, "")
 
     async def set(self, key: str, value: str) -> None:
         """SetConfig: checked as on a single node, written to etcd, applied here."""

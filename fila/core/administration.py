@@ -48,7 +48,9 @@ from fila.v1 import messages_pb2
 from fila.wire import DLQ_SUFFIX, dlq_name, dlq_owner
 
 if TYPE_CHECKING:
-    from fila.core.broker import Broker
+    from fila.core.delivery import Delivery
+    from fila.core.settlement import Settlement
+    from fila.core.state import CoreState
 
 log = logging.getLogger("fila.broker")
 
@@ -116,8 +118,10 @@ def dlq_record(queue: QueueRecord, created_at_ms: int) -> QueueRecord:
 class Administration:
     """Queue lifecycle, stats, runtime config, redrive, peek, purge and restore."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, state: CoreState, delivery: Delivery, settlement: Settlement) -> None:
+        self.state = state
+        self._delivery = delivery
+        self._settlement = settlement
 
     # -- queues --------------------------------------------------------------------
 
@@ -135,10 +139,10 @@ class Administration:
         record, hooks, dlq_record = self._plan_create(
             name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
         )
-        committer = self.broker.committer
+        committer = self.state.committer
         self._add_queue(record, hooks)
         committer.put(keys.queue_key(name), record.encode())
-        orphan = self.broker.queues.get(dlq_record.name)
+        orphan = self.state.queues.get(dlq_record.name)
         if orphan is None:
             self._add_queue(dlq_record, None)
         else:
@@ -180,14 +184,14 @@ class Administration:
         max_attempts: int,
         retry_backoff: str,
     ) -> tuple[QueueRecord, QueueHooks | None, QueueRecord]:
-        self.broker.check_open()
+        self.state.check_open()
         validate_queue_name(name)
         if dlq_owner(name) is not None:
             raise InvalidArgument(
                 f'queue name "{name}" ends with "{DLQ_SUFFIX}", which is reserved for '
                 "dead-letter queues (creating a queue creates its own)"
             )
-        queues = self.broker.queues
+        queues = self.state.queues
         if name in queues:
             raise QueueAlreadyExists(name)
         orphan = queues.get(dlq_name(name))
@@ -197,14 +201,14 @@ class Administration:
         # all: that is the documented way back ("create the queue again and
         # restart"), which refusing here would make impossible. It is `name`'s by its
         # name: recovery made its record say so (`fila.core.recovery._linked`).
-        limit = self.broker.settings.max_queues
+        limit = self.state.settings.max_queues
         if len(queues) + (1 if orphan is not None else 2) > 2 * limit:
             raise ResourceExhausted(
-                f"the broker holds {len(self.broker.queues) // 2} queues, the limit is {limit} "
+                f"the broker holds {len(self.state.queues) // 2} queues, the limit is {limit} "
                 "(server.max_queues)"
             )
         timeout = _visibility_timeout(visibility_timeout_ms)
-        now = self.broker.clock.now_ms()
+        now = self.state.clock.now_ms()
         record = QueueRecord(
             name,
             on_enqueue,
@@ -220,28 +224,28 @@ class Administration:
         return record, hooks, dlq_record(record, dlq_created_ms)
 
     def delete_queue(self, name: str) -> asyncio.Future[None]:
-        self.broker.check_open()
-        queue = self.broker.queue(name)
+        self.state.check_open()
+        queue = self.state.queue(name)
         # A DLQ goes with its queue; one whose queue is gone (an orphan left by
         # damage, see `_plan_create`) has nothing to go with, so it may go alone.
-        if queue.record.dlq_of in self.broker.queues:
+        if queue.record.dlq_of in self.state.queues:
             raise InvalidArgument(
                 f'queue "{name}" is the dead-letter queue of "{queue.record.dlq_of}"; '
                 "delete that queue instead"
             )
         self._drop_queue(queue)
         dlq_name = queue.dlq_name
-        dlq = self.broker.queues.get(dlq_name) if dlq_name else None
+        dlq = self.state.queues.get(dlq_name) if dlq_name else None
         if dlq is not None:
             self._drop_queue(dlq)
         log.info("queue deleted", extra={"queue": name})
-        return self.broker.committer.flushed()
+        return self.state.committer.flushed()
 
     def list_queues(self) -> list[Queue]:
-        return sorted(self.broker.queues.values(), key=lambda q: q.name)
+        return sorted(self.state.queues.values(), key=lambda q: q.name)
 
     def get_queue(self, name: str) -> Queue:
-        return self.broker.queue(name)
+        return self.state.queue(name)
 
     def update_queue(
         self, name: str, changes: Mapping[str, str | int]
@@ -251,8 +255,8 @@ class Administration:
         Messages enqueued after this returns see the new configuration; leases already
         granted keep their deadlines. A DLQ has no hooks or retry policy of its own:
         only its visibility timeout can change."""
-        self.broker.check_open()
-        queue = self.broker.queue(name)
+        self.state.check_open()
+        queue = self.state.queue(name)
         unknown = sorted(changes.keys() - UPDATABLE)
         if unknown:
             raise InvalidArgument(
@@ -287,12 +291,12 @@ class Administration:
             hooks = self._make_hooks(updated)
         queue.record = updated
         queue.hooks = hooks
-        self.broker.committer.put(keys.queue_key(name), updated.encode())
+        self.state.committer.put(keys.queue_key(name), updated.encode())
         log.info("queue updated", extra={"queue": name, "fields": ",".join(sorted(changes))})
-        return updated, self.broker.committer.flushed()
+        return updated, self.state.committer.flushed()
 
     def stats(self, name: str) -> QueueStats:
-        queue = self.broker.queue(name)
+        queue = self.state.queue(name)
         drr_keys = queue.drr.keys
         shown = list(drr_keys.values())
         if len(shown) > MAX_LISTED_KEYS:
@@ -320,7 +324,7 @@ class Administration:
             in_flight=len(queue.leases),
             active_fairness_keys=len(drr_keys),
             active_consumers=len(queue.consumers),
-            quantum=self.broker.settings.quantum,
+            quantum=self.state.settings.quantum,
             per_key=per_key,
             per_throttle=self._throttle_stats(queue),
             counters=queue.counters,
@@ -332,32 +336,32 @@ class Administration:
         for key in itertools.islice(queue.drr.keys.values(), MAX_LISTED_KEYS):
             if key:
                 used.update(key.head_throttle_keys())
-        stats = self.broker.throttles.stats(used or None)
+        stats = self.state.throttles.stats(used or None)
         return stats[:MAX_LISTED_KEYS]
 
     # -- runtime config ------------------------------------------------------------
 
     def set_config(self, key: str, value: str) -> asyncio.Future[None]:
-        self.broker.check_open()
+        self.state.check_open()
         change = validate_entry(key, value)
-        self.broker.config.set(key, value)
+        self.state.config.set(key, value)
         if value == "":
-            self.broker.committer.delete(keys.config_key(key))
+            self.state.committer.delete(keys.config_key(key))
         else:
-            self.broker.committer.put(keys.config_key(key), value.encode())
+            self.state.committer.put(keys.config_key(key), value.encode())
         if change is not None:
             self._apply_throttle(change)
-        return self.broker.committer.flushed()
+        return self.state.committer.flushed()
 
     def get_config(self, key: str) -> str:
-        value = self.broker.config.get(key)
+        value = self.state.config.get(key)
         if value is None:
             raise ConfigKeyNotFound(key)
         return value
 
     def list_config(self, prefix: str) -> tuple[list[tuple[str, str]], int]:
         """Entries under `prefix`, as many as fit in one answer, and how many there are."""
-        entries = self.broker.config.items(prefix)
+        entries = self.state.config.items(prefix)
         shown: list[tuple[str, str]] = []
         size = 0
         for key, value in entries:
@@ -369,13 +373,13 @@ class Administration:
 
     def _apply_throttle(self, change: ThrottleChange) -> None:
         if change.rate is None or change.burst is None:
-            self.broker.throttles.remove(change.key)
+            self.state.throttles.remove(change.key)
         else:
-            self.broker.throttles.configure(change.key, change.rate, change.burst)
-        for queue in self.broker.queues.values():
+            self.state.throttles.configure(change.key, change.rate, change.burst)
+        for queue in self.state.queues.values():
             queue.throttle_wakes.clear()
             if queue.drr.unpark_all():
-                self.broker.mark_dirty(queue)
+                self.state.mark_dirty(queue)
 
     # -- dead letters, peek, purge ---------------------------------------------------
 
@@ -394,13 +398,13 @@ class Administration:
         when nothing is left or the broker starts shutting down, answering what moved.
         A record that does not decode is set aside (`fila.core.quarantine`), not moved;
         a failure (a read error, a hook) leaves its chunk unmoved and fails the call."""
-        broker = self.broker
-        broker.check_open()
-        dlq = broker.queue(dlq_name)
+        state = self.state
+        state.check_open()
+        dlq = state.queue(dlq_name)
         source_name = dlq.record.dlq_of
         if not source_name:
             raise InvalidArgument(f'queue "{dlq_name}" is not a dead-letter queue')
-        source = broker.queue(source_name)
+        source = state.queue(source_name)
         ready = dlq.drr.ready_count
         wanted = min(count, ready) if count > 0 else ready  # any uint64 count is valid
         taken = moved = 0
@@ -410,14 +414,14 @@ class Administration:
                 break  # nothing ready any more
             taken += chunk_taken
             moved += chunk_moved
-            await broker.committer.flushed()
+            await state.committer.flushed()
             if not self._open():
                 break
         return moved
 
     def _open(self) -> bool:
         try:
-            self.broker.check_open()
+            self.state.check_open()
         except Unavailable:
             return False
         return True
@@ -426,14 +430,14 @@ class Administration:
         """Takes the next chunk (at most `limit`) of `dlq`'s ready messages and moves
         them to `source`, setting aside those that do not decode; returns (taken, moved).
         Nothing changes unless every message of the chunk could be planned."""
-        broker = self.broker
+        state = self.state
         started = time.perf_counter()
         size = 0
         # (the message as it moves back, its new record), or (the message, its stored
         # record, why it does not decode) for one that is set aside instead
         planned: list[tuple[MessageRef, bytes, str | None]] = []
         for ref in itertools.islice(dlq.drr.upcoming(), min(limit, REDRIVE_CHUNK_MESSAGES)):
-            record = broker.read_record(ref.key)
+            record = state.read_record(ref.key)
             if record is None:
                 raise InvalidArgument(f"dead-lettered message {ref.id} has no stored record")
             size += len(record)
@@ -442,7 +446,7 @@ class Administration:
             except stored.BadRecord as exc:
                 planned.append((ref, record, str(exc)))
                 continue
-            decision = broker.decide_enqueue(source, message.headers, len(message.payload))
+            decision = state.decide_enqueue(source, message.headers, len(message.payload))
             metadata = message.metadata
             metadata.fairness_key = decision.fairness_key
             metadata.weight = decision.weight
@@ -458,15 +462,15 @@ class Administration:
                 break
         taken = dlq.drr.take(len(planned))
         assert [r.key for r in taken] == [m.key for m, _, _ in planned], "redrive order changed"
-        committer = broker.committer
+        committer = state.committer
         moved_refs: list[MessageRef] = []
         for moved, record, bad in planned:
             if bad is not None:
-                broker.quarantine.set_aside(committer, moved.key, record, bad)
+                state.quarantine.set_aside(committer, moved.key, record, bad)
                 continue
             committer.put(moved.key, record)
             moved_refs.append(moved)
-        broker.ready_after_commit(source, moved_refs, fresh=True)
+        state.ready_after_commit(source, moved_refs, fresh=True)
         source.counters.redriven += len(moved_refs)
         return len(planned), len(moved_refs)
 
@@ -485,7 +489,7 @@ class Administration:
 
         Returns the page, each message's state, and the id to pass as `after_id` for
         the next page (empty at the end)."""
-        queue = self.broker.queue(queue_name)
+        queue = self.state.queue(queue_name)
         if state not in (0, *MessageState):
             raise InvalidArgument(f"state {state} is not a message state (READY, DELAYED, LEASED)")
         limit = DEFAULT_PEEK if limit == 0 else min(limit, MAX_PEEK)
@@ -502,7 +506,7 @@ class Administration:
         states: list[PeekedState] = []
         size = 0
         for ref in refs[:limit]:
-            record = self.broker.read_record(ref.key)
+            record = self.state.read_record(ref.key)
             if record is None:
                 continue
             if page and size + len(record) > MAX_ANSWER_BYTES:
@@ -534,7 +538,7 @@ class Administration:
     def _due_ms(self, ref: MessageRef) -> int:
         """When a delayed message becomes ready, from its side record (0: not readable
         yet, or damaged: peek changes nothing and reports what it can)."""
-        raw = self.broker.read_record(keys.delay_key(ref.key))
+        raw = self.state.read_record(keys.delay_key(ref.key))
         try:
             return stored.decode_due(raw) if raw is not None else 0
         except stored.BadRecord:
@@ -569,9 +573,9 @@ class Administration:
 
     def purge(self, queue_name: str) -> tuple[int, asyncio.Future[None]]:
         """Deletes every ready and delayed message (leased ones finish normally)."""
-        self.broker.check_open()
-        queue = self.broker.queue(queue_name)
-        committer = self.broker.committer
+        self.state.check_open()
+        queue = self.state.queue(queue_name)
+        committer = self.state.committer
         purged = queue.drr.drain()
         purged += queue.limbo.values()
         for ref in purged:
@@ -601,7 +605,7 @@ class Administration:
         return self._add_queue(record, hooks)
 
     def restore_config(self, key: str, value: str) -> None:
-        self.broker.config.set(key, value)
+        self.state.config.set(key, value)
         try:
             change = validate_entry(key, value)
         except InvalidArgument as exc:
@@ -619,12 +623,12 @@ class Administration:
         queue = Queue(
             record,
             hooks,
-            self.broker.settings.quantum,
-            self.broker.committer,
-            self.broker.schedule_expiry,
-            self.broker.mark_dirty,
+            self.state.settings.quantum,
+            self.state.committer,
+            self._settlement.schedule_expiry,
+            self.state.mark_dirty,
         )
-        self.broker.queues[record.name] = queue
+        self.state.queues[record.name] = queue
         return queue
 
     def _make_hooks(self, record: QueueRecord, *, strict: bool = True) -> QueueHooks | None:
@@ -637,9 +641,9 @@ class Administration:
                 record.name,
                 record.on_enqueue_script,
                 record.on_failure_script,
-                self.broker.settings.lua,
-                self.broker.config.get,
-                self.broker.clock,
+                self.state.settings.lua,
+                self.state.config.get,
+                self.state.clock,
                 strict=strict,
             )
         except ScriptError as exc:
@@ -647,13 +651,12 @@ class Administration:
 
     def _drop_queue(self, queue: Queue) -> None:
         queue.deleted = True
-        del self.broker.queues[queue.name]
-        self.broker.unmark_dirty(queue)
-        committer = self.broker.committer
+        del self.state.queues[queue.name]
+        self.state.unmark_dirty(queue)
+        committer = self.state.committer
         queue.consumers.close_all(QueueNotFound(queue.name))
-        self.broker.delivery.buffers_released()  # its streams' buffers count no more
-        for lease in queue.leases.end_all():
-            committer.delete(lease.ref.key)
+        self._delivery.buffers_released()  # its streams' buffers count no more
+        self._settlement.queue_deleted(queue)
         for ref in queue.delayed.values():
             committer.delete(ref.key)
             committer.delete(keys.delay_key(ref.key))

@@ -112,8 +112,8 @@ class Consumer:
         return self._closed_with is not None
 
     def offer(self, lease: Lease, record: bytes) -> None:
-        """Buffers a delivery for the stream to send; counts it against prefetch and bytes."""
-        self.unsettled += 1
+        """Buffers a delivery for the stream to send; counts it against the bytes (the
+        lease already counts against prefetch: `LeaseTable.grant`)."""
         size = len(record)
         self.buffered_bytes += size
         self.budget.bytes += size

@@ -22,8 +22,9 @@ from fila.core.errors import BrokerError, Unavailable
 from fila.core.frames import batch_frame, single_frame
 
 if TYPE_CHECKING:
-    from fila.core.broker import Broker
     from fila.core.queue import Queue
+    from fila.core.settlement import Settlement
+    from fila.core.state import CoreState
 
 log = logging.getLogger("fila.broker")
 
@@ -33,8 +34,9 @@ _wake_seq = itertools.count()
 class Delivery:
     """Attaching consumers, leasing messages to them, and handing frames to streams."""
 
-    def __init__(self, broker: Broker) -> None:
-        self.broker = broker
+    def __init__(self, state: CoreState, settlement: Settlement) -> None:
+        self.state = state
+        self._settlement = settlement
         # True while the pump stopped because every stream's buffers were full.
         self._buffers_blocked = False
 
@@ -48,44 +50,43 @@ class Delivery:
     ) -> Consumer:
         """A new consumer of `queue_name`. `prefetch` 0 means `scheduler.consumer_buffer`;
         `owns_settlement` (StreamConsume) means its sent leases return when it ends."""
-        self.broker.check_open()
-        queue = self.broker.queue(queue_name)
-        settings = self.broker.settings
+        self.state.check_open()
+        queue = self.state.queue(queue_name)
+        settings = self.state.settings
         capacity = min(prefetch, settings.max_prefetch) if prefetch else settings.consumer_buffer
         consumer = Consumer(
             queue.name,
             capacity=capacity,
             max_batch=max(1, min(max_batch, settings.max_prefetch)),
             max_buffered_bytes=settings.stream_buffer_bytes,
-            budget=self.broker.buffers,
+            budget=self.state.buffers,
             owns_settlement=owns_settlement,
         )
         queue.consumers.add(consumer)
-        self.broker.mark_dirty(queue)
+        self.state.mark_dirty(queue)
         return consumer
 
     def detach_consumer(
         self, consumer: Consumer, reason: BrokerError | None = None, *, keep_sent: bool = False
     ) -> None:
-        """The stream ended (or must end, for `reason`): messages it never sent go
-        straight back; sent ones stay leased, except on a stream that settles its own
-        (StreamConsume), whose delivered messages come back as failed attempts, unless
-        `keep_sent` (a broker shutting down: its client may still settle them with
-        AckBatch/NackBatch after the restart, before their visibility timeout)."""
-        queue = self.broker.queues.get(consumer.queue_name)
+        """The stream ended (or must end, for `reason`): it leaves its queue's ring, and
+        its leases end as `Settlement.consumer_ended` decides (`keep_sent`: a broker
+        shutting down, whose clients may settle what they hold after the restart)."""
+        queue = self.state.queues.get(consumer.queue_name)
         consumer.close(reason or Unavailable("consumer closed"))
         unsent = consumer.release_unsent()
-        if queue is None or not queue.consumers.remove(consumer):
-            self.buffers_released()
-            return
-        for lease in unsent:
-            if lease.active and not lease.sent:
-                self.broker.return_unsent(queue, lease)
-        if consumer.stream_leases and not keep_sent:
-            for lease in list(consumer.stream_leases.values()):
-                if lease.active:
-                    self.broker.return_sent(queue, lease)
+        if queue is not None and queue.consumers.remove(consumer):
+            self._settlement.consumer_ended(queue, consumer, unsent, keep_sent=keep_sent)
         self.buffers_released()
+
+    def end_consumers(self, reason: BrokerError) -> None:
+        """Ends every consume stream with `reason` (at shutdown, and when a cluster node
+        loses its lease and must stop serving). Unsent deliveries go back; sent ones
+        stay leased, so their clients can still settle them with AckBatch/NackBatch
+        once the broker serves again, before their visibility timeout."""
+        for queue in list(self.state.queues.values()):
+            for consumer in list(queue.consumers.consumers.values()):
+                self.detach_consumer(consumer, reason, keep_sent=True)
 
     def sending(self, consumer: Consumer, limit: int) -> bytes | None:
         """The next frame for `consumer`'s stream, or None if nothing is buffered.
@@ -96,12 +97,12 @@ class Delivery:
         taken = consumer.take(limit)
         if not taken:
             return None
-        queue = self.broker.queues.get(consumer.queue_name)
+        queue = self.state.queues.get(consumer.queue_name)
         if queue is None:
             self.sent(consumer)
             return None
         live = queue.leases.sent(lease for lease, _ in taken)
-        now = self.broker.clock.now_ms()
+        now = self.state.clock.now_ms()
         for lease in live:  # a delivery is a lease sent, not one buffered (GetStats)
             queue.count_delivery(lease.ref, now)
         if len(live) != len(taken):
@@ -120,22 +121,22 @@ class Delivery:
         never be: the call ended): its bytes are given back, and the stream may be
         given more."""
         consumer.sent()
-        queue = self.broker.queues.get(consumer.queue_name)
+        queue = self.state.queues.get(consumer.queue_name)
         if queue is not None and (
             queue.consumers.room_freed(consumer)
             or (self._buffers_blocked and consumer.waiting and not consumer.held_bytes)
         ):  # with the budget spent, a stream that sent all it had is served again
-            self.broker.mark_dirty(queue)
+            self.state.mark_dirty(queue)
         self.buffers_released()
 
     def pump(self, queue: Queue) -> None:
         """Leases ready messages to consumers with room, round-robin, in DRR order."""
         ring = queue.consumers
         drr = queue.drr
-        buffers = self.broker.buffers
-        throttles = self.broker.throttles
+        buffers = self.state.buffers
+        throttles = self.state.throttles
         has_tokens = throttles.try_take if throttles.active else None
-        now = self.broker.clock.now_ms()
+        now = self.state.clock.now_ms()
         timeout = queue.record.visibility_timeout_ms
         grant = queue.leases.grant
         while drr.ready_count:
@@ -155,7 +156,7 @@ class Delivery:
             ref = drr.pick(has_tokens)
             if ref is None:
                 break
-            record = self.broker.read_record(ref.key)
+            record = self.state.read_record(ref.key)
             if record is None:  # cannot happen while the ready-after-commit rule holds
                 log.error(
                     "ready message has no stored record", extra={"id": ref.id, "queue": queue.name}
@@ -170,9 +171,9 @@ class Delivery:
         """Stream buffers gave bytes back: if the pump stopped because the broker-wide
         budget was spent, every queue gets its turn again (not only the one whose
         stream freed them: a deleted queue's, say, has no turn left to take)."""
-        if self._buffers_blocked and not self.broker.buffers.exhausted:
+        if self._buffers_blocked and not self.state.buffers.exhausted:
             self._buffers_blocked = False
-            self.broker.mark_all_dirty()
+            self.state.mark_all_dirty()
 
     def _schedule_throttle_wake(self, queue: Queue, keys: list[FairnessKey]) -> None:
         """Schedules each newly parked key's return for when its tokens can be there.
@@ -183,8 +184,8 @@ class Delivery:
         if not keys:
             return
         queue.counters.throttled += len(keys)
-        throttles = self.broker.throttles
-        now = self.broker.clock.now_ms()
+        throttles = self.state.throttles
+        now = self.state.clock.now_ms()
         wakes = queue.throttle_wakes
         for key in keys:
             wait_s = throttles.seconds_until_available(key.head_throttle_keys())
@@ -198,11 +199,11 @@ class Delivery:
         earliest = wakes[0][0]
         if queue.throttle_wake_ms is None or earliest < queue.throttle_wake_ms:
             queue.throttle_wake_ms = earliest
-            self.broker.timers.at(earliest, self._throttle_wake, queue)
+            self.state.timers.at(earliest, self._throttle_wake, queue)
 
     def _throttle_wake(self, queue: Queue) -> None:
         due = queue.throttle_wake_ms
-        now = self.broker.clock.now_ms()
+        now = self.state.clock.now_ms()
         if due is None or now < due:
             return  # a stale wake-up: an earlier one was scheduled after it and has run
         queue.throttle_wake_ms = None
@@ -213,5 +214,5 @@ class Delivery:
         while wakes and wakes[0][0] <= now:
             ready.append(heapq.heappop(wakes)[2])
         if queue.drr.unpark(ready):
-            self.broker.mark_dirty(queue)
+            self.state.mark_dirty(queue)
         self._arm_throttle_wake(queue)

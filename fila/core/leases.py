@@ -59,6 +59,7 @@ class LeaseTable:
     ) -> Lease:
         lease = Lease(ref, now_ms + timeout_ms, now_ms, consumer, size)
         self._by_key[ref.key] = lease
+        consumer.unsettled += 1
         self._add_expiry(lease)
         return lease
 

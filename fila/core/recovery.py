@@ -2,10 +2,11 @@
 
 Runs before the server accepts connections. Runtime config comes back first (a
 queue's scripts may read it as they load; throttle buckets start full), then the
-queues, then every stored message is placed by its side records: a live lease is
-restored with its deadline, a lease whose deadline passed while the broker was down
-counts as an expired delivery (attempt + 1, ready again), a delayed message keeps its
-due time, and everything else is ready. A lease or a delay that began in this run's
+queues, then every stored message is placed by its side records: a lease is
+restored with its deadline (one that passed while the broker was down expires on the
+timers' first run, through `Settlement` like any expiry: an attempt counted, the
+retry policy applied), a delayed message keeps its due time, and everything else is
+ready. A lease or a delay that began in this run's
 future (the clock was stepped back between runs) lasts at most its whole length from
 now (`_within_length`). Scanning messages in key order, which is UUIDv7 order,
 rebuilds each fairness key's FIFO order and so the DRR rings; deficits start at zero.
@@ -39,10 +40,10 @@ import logging
 from dataclasses import dataclass, field, replace
 
 from fila.core import stored
-from fila.core.administration import dlq_record
-from fila.core.broker import Broker
+from fila.core.administration import Administration, dlq_record
 from fila.core.queue import QueueRecord
 from fila.core.records import MessageRef
+from fila.core.state import CoreState
 from fila.storage import keys
 from fila.wire import dlq_owner
 
@@ -99,9 +100,9 @@ def _within_length(end_ms: int, start_ms: int, now_ms: int) -> tuple[int, int]:
     return now_ms + (end_ms - start_ms), now_ms
 
 
-def recover(broker: Broker) -> RecoveryReport:
-    storage, committer = broker.storage, broker.committer
-    quarantine = broker.quarantine
+def recover(state: CoreState, admin: Administration) -> RecoveryReport:
+    storage, committer = state.storage, state.committer
+    quarantine = state.quarantine
     quarantine.count = sum(1 for _ in storage.scan(keys.QUARANTINE))
     set_aside_before = quarantine.count
     report = RecoveryReport()
@@ -112,7 +113,7 @@ def recover(broker: Broker) -> RecoveryReport:
         except stored.BadRecord as exc:
             quarantine.set_aside(committer, raw_key, raw_value, str(exc))
             continue
-        broker.admin.restore_config(name, text)
+        admin.restore_config(name, text)
     records: dict[str, QueueRecord] = {}
     for raw_key, raw_queue in storage.scan(keys.QUEUE):
         try:
@@ -127,12 +128,12 @@ def recover(broker: Broker) -> RecoveryReport:
             # Written back, like a recreated DLQ: the next start reads it correct.
             committer.put(keys.queue_key(linked.name), linked.encode())
             report.relinked_queues.append((record.name, record.dlq_of))
-        broker.admin.restore_queue(linked)
+        admin.restore_queue(linked)
         report.queues += 1
     # Before the messages are placed, so that those of a recreated DLQ find it.
-    for owner in list(broker.queues.values()):
+    for owner in list(state.queues.values()):
         dlq_name = owner.dlq_name
-        if dlq_name is None or dlq_name in broker.queues:
+        if dlq_name is None or dlq_name in state.queues:
             continue
         # CreateQueue stamps a queue and its DLQ with the same time, so this is the
         # lost record itself (unless the DLQ was an adopted orphan: then only its
@@ -141,13 +142,13 @@ def recover(broker: Broker) -> RecoveryReport:
         # write lost (a power cut before it is synced), the next recovery derives the
         # same record again, so nothing depends on which start wrote it.
         lost = dlq_record(owner.record, owner.record.created_at_ms)
-        broker.admin.restore_queue(lost)
+        admin.restore_queue(lost)
         committer.put(keys.queue_key(lost.name), lost.encode())
         report.recreated_dlqs.append(lost.name)
     report.orphan_dlqs = [
         q.name
-        for q in broker.queues.values()
-        if q.record.dlq_of and q.record.dlq_of not in broker.queues
+        for q in state.queues.values()
+        if q.record.dlq_of and q.record.dlq_of not in state.queues
     ]
 
     leases: dict[bytes, tuple[int, int]] = {}
@@ -162,7 +163,7 @@ def recover(broker: Broker) -> RecoveryReport:
             dues[keys.message_key_from_side_key(side_key)] = stored.decode_due(value)
         except stored.BadRecord as exc:
             quarantine.set_aside(committer, side_key, value, str(exc))
-    now = broker.clock.now_ms()
+    now = state.clock.now_ms()
     last_key = b""
     for key, raw in storage.scan(keys.MESSAGE):
         last_key = key
@@ -178,7 +179,7 @@ def recover(broker: Broker) -> RecoveryReport:
                 committer.delete(keys.delay_key(key))
             continue
         meta = message.metadata
-        queue = broker.queues.get(meta.queue_id)
+        queue = state.queues.get(meta.queue_id)
         if queue is None:
             report.orphans += 1
             continue
@@ -190,35 +191,31 @@ def recover(broker: Broker) -> RecoveryReport:
             meta.attempt_count,
         )
         if lease is not None:
-            deadline_ms, leased_at_ms = lease
+            deadline_ms, leased_at_ms = _within_length(*lease, now)
+            queue.leases.restore(ref, deadline_ms, leased_at_ms)
             if deadline_ms > now:
-                deadline_ms, leased_at_ms = _within_length(deadline_ms, leased_at_ms, now)
-                queue.leases.restore(ref, deadline_ms, leased_at_ms)
                 report.leased += 1
-                continue
-            ref.attempt_count += 1
-            meta.attempt_count = ref.attempt_count
-            committer.put(key, stored.rebuild_message(message))
-            committer.delete(keys.lease_key(key))
-            report.expired += 1
-        elif due is not None:
+            else:
+                report.expired += 1
+            continue
+        if due is not None:
             enqueued_ms = message.timestamps.enqueued_at.ToMilliseconds()
             due, _ = _within_length(due, enqueued_ms, now)
             queue.delayed[key] = ref
-            broker.timers.at(due, broker.release_delayed, (queue, ref))
+            state.schedule_release(queue, ref, due)
             report.delayed += 1
             continue
         queue.drr.push(ref, fresh=True)
         report.ready += 1
     report.quarantined = quarantine.count - set_aside_before
     if last_key:
-        broker.ids.advance_past(last_key[1:])
+        state.ids.advance_past(last_key[1:])
     for key in (*leases, *dues):  # side records whose message was deleted: useless alone
         committer.delete(keys.lease_key(key))
         committer.delete(keys.delay_key(key))
         report.stale_side_records += 1
     committer.flush_now()
-    broker.mark_all_dirty()
+    state.mark_all_dirty()
     log.info(
         "recovered",
         extra={
@@ -244,7 +241,7 @@ def recover(broker: Broker) -> RecoveryReport:
             extra={"queue": name, "stored_dlq_of": stored_dlq_of, "dlq_of": dlq_owner(name) or ""},
         )
     for name in report.recreated_dlqs:
-        dlq = broker.queues[name]
+        dlq = state.queues[name]
         log.warning(
             "a queue's dead-letter queue had no record (it was lost: a sign of damage); "
             "it was recreated from the queue's configuration and its stored messages are "
@@ -256,7 +253,7 @@ def recover(broker: Broker) -> RecoveryReport:
             },
         )
     for name in report.orphan_dlqs:
-        parent = broker.queues[name].record.dlq_of
+        parent = state.queues[name].record.dlq_of
         log.error(
             "a dead-letter queue's queue does not exist (its record was lost: a sign of "
             "damage); create that queue again to take the DLQ back, or delete the DLQ",

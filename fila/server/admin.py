@@ -65,7 +65,7 @@ class FilaAdmin:
         self, request: admin_pb2.CreateQueueRequest, context: Context
     ) -> admin_pb2.CreateQueueResponse:
         config = request.config
-        await self._broker.admin.create_queue(
+        await self._broker.create_queue(
             request.name,
             config.on_enqueue_script,
             config.on_failure_script,
@@ -78,7 +78,7 @@ class FilaAdmin:
     async def get_queue(
         self, request: admin_pb2.GetQueueRequest, context: Context
     ) -> admin_pb2.GetQueueResponse:
-        queue = self._broker.admin.get_queue(request.queue)
+        queue = self._broker.get_queue(request.queue)
         return admin_pb2.GetQueueResponse(
             name=queue.name, config=queue_config(queue.record), dlq=queue.dlq_name or ""
         )
@@ -86,7 +86,7 @@ class FilaAdmin:
     async def update_queue(
         self, request: admin_pb2.UpdateQueueRequest, context: Context
     ) -> admin_pb2.UpdateQueueResponse:
-        record, committed = self._broker.admin.update_queue(
+        record, committed = self._broker.update_queue(
             request.queue, config_changes(request.config, request.update_mask)
         )
         await committed
@@ -95,7 +95,7 @@ class FilaAdmin:
     async def delete_queue(
         self, request: admin_pb2.DeleteQueueRequest, context: Context
     ) -> admin_pb2.DeleteQueueResponse:
-        await self._broker.admin.delete_queue(request.queue)
+        await self._broker.delete_queue(request.queue)
         return admin_pb2.DeleteQueueResponse()
 
     async def list_queues(
@@ -108,7 +108,7 @@ class FilaAdmin:
                 in_flight=len(queue.leases),
                 active_consumers=len(queue.consumers),
             )
-            for queue in self._broker.admin.list_queues()
+            for queue in self._broker.list_queues()
             if access.may_see(queue.name)
         ]
         return admin_pb2.ListQueuesResponse(queues=infos, cluster_node_count=1)
@@ -116,7 +116,7 @@ class FilaAdmin:
     async def get_stats(
         self, request: admin_pb2.GetStatsRequest, context: Context
     ) -> admin_pb2.GetStatsResponse:
-        stats = self._broker.admin.stats(request.queue)
+        stats = self._broker.stats(request.queue)
         counters = stats.counters
         response = admin_pb2.GetStatsResponse(
             depth=stats.depth,
@@ -157,18 +157,18 @@ class FilaAdmin:
     async def set_config(
         self, request: admin_pb2.SetConfigRequest, context: Context
     ) -> admin_pb2.SetConfigResponse:
-        await self._broker.admin.set_config(request.key, request.value)
+        await self._broker.set_config(request.key, request.value)
         return admin_pb2.SetConfigResponse()
 
     async def get_config(
         self, request: admin_pb2.GetConfigRequest, context: Context
     ) -> admin_pb2.GetConfigResponse:
-        return admin_pb2.GetConfigResponse(value=self._broker.admin.get_config(request.key))
+        return admin_pb2.GetConfigResponse(value=self._broker.get_config(request.key))
 
     async def list_config(
         self, request: admin_pb2.ListConfigRequest, context: Context
     ) -> admin_pb2.ListConfigResponse:
-        entries, total = self._broker.admin.list_config(request.prefix)
+        entries, total = self._broker.list_config(request.prefix)
         return admin_pb2.ListConfigResponse(
             entries=[admin_pb2.ConfigEntry(key=k, value=v) for k, v in entries],
             total_count=total,
@@ -181,13 +181,13 @@ class FilaAdmin:
         source = dlq_owner(dlq)
         if source is not None:  # redrive writes into the source queue: admin there too
             access.require(access.Kind.ADMIN, source)
-        count = await self._broker.admin.redrive(dlq, request.count)
+        count = await self._broker.redrive(dlq, request.count)
         return admin_pb2.RedriveResponse(redriven=count)
 
     async def peek_messages(
         self, request: admin_pb2.PeekMessagesRequest, context: Context
     ) -> admin_pb2.PeekMessagesResponse:
-        messages, states, next_after = self._broker.admin.peek_states(
+        messages, states, next_after = self._broker.peek_states(
             request.queue, request.limit, request.after_id, request.fairness_key, request.state
         )
         response = admin_pb2.PeekMessagesResponse(messages=messages, next_after_id=next_after)
@@ -202,7 +202,7 @@ class FilaAdmin:
     async def purge_queue(
         self, request: admin_pb2.PurgeQueueRequest, context: Context
     ) -> admin_pb2.PurgeQueueResponse:
-        count, committed = self._broker.admin.purge(request.queue)
+        count, committed = self._broker.purge(request.queue)
         await committed
         return admin_pb2.PurgeQueueResponse(purged=count)
 

@@ -40,7 +40,6 @@ from fila.config import Config, ConfigError, default_config_text, load_config
 from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import SteadyClock
 from fila.core.errors import BrokerError
-from fila.core.recovery import recover
 from fila.security.keyring import Keyring
 from fila.server import admin, service
 from fila.server.auth import auth_interceptors, load_keyring
@@ -230,7 +229,7 @@ def _recover(
 ) -> tuple[ClusterNode | None, Keyring]:
     """Rebuilds the broker's state from storage, then the node (cluster mode) and keys."""
     try:
-        recover(broker)
+        broker.recover()
         if not config.cluster.enabled:
             return None, load_keyring(storage, committer, config.auth)
         # Imported here: a single-node broker never loads the etcd client and the

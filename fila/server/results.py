@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fila.cluster.errors import RemoteError
-from fila.core.broker import ItemResult
+from fila.core.enqueue import ItemResult
 from fila.core.errors import BrokerError
 from fila.core.frames import varint
 from fila.server.status import error_fields

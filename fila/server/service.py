@@ -178,16 +178,16 @@ class FilaService:
     # -- consume -------------------------------------------------------------------
 
     async def consume(self, request: service_pb2.ConsumeRequest, context: Context) -> None:
-        delivery = self._broker.delivery
-        consumer = delivery.attach_consumer(
+        broker = self._broker
+        consumer = broker.attach_consumer(
             request.queue, prefetch=request.prefetch, max_batch=request.max_batch
         )
-        unsubscribe = access.on_key_lost(lambda reason: delivery.detach_consumer(consumer, reason))
+        unsubscribe = access.on_key_lost(lambda reason: broker.detach_consumer(consumer, reason))
         try:
             await self._deliver(consumer, context)
         finally:
             unsubscribe()
-            delivery.detach_consumer(consumer)
+            broker.detach_consumer(consumer)
 
     async def stream_consume(
         self,
@@ -207,7 +207,7 @@ class FilaService:
         first = await rpc.checked(opening, "StreamConsume", context)
         access.require_key()  # the stream may have opened before a revocation
         access.require(Kind.CONSUME, first.queue)
-        consumer = broker.delivery.attach_consumer(
+        consumer = broker.attach_consumer(
             first.queue,
             prefetch=first.prefetch,
             max_batch=first.max_batch,
@@ -248,7 +248,7 @@ class FilaService:
 
         reader = asyncio.create_task(read_settlements())
         unsubscribe = access.on_key_lost(
-            lambda reason: broker.delivery.detach_consumer(consumer, reason)
+            lambda reason: broker.detach_consumer(consumer, reason)
         )
         try:
             await self._deliver(consumer, context)
@@ -259,18 +259,18 @@ class FilaService:
             reader.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await reader
-            broker.delivery.detach_consumer(consumer)
+            broker.detach_consumer(consumer)
 
     async def _deliver(self, consumer: Consumer, context: Context) -> None:
         """Writes frames as the broker buffers deliveries; keepalives when idle.
         Ends by raising the consumer's close reason. A frame's messages count against
         the stream's and the broker's buffer bytes until its write returns, which is
         when gRPC has let it out to the client (see `fila.core.consumers`)."""
-        delivery = self._broker.delivery
+        broker = self._broker
         keepalive_s = self._broker.settings.keepalive_s
         limit = consumer.max_batch
         while True:
-            frame = delivery.sending(consumer, limit)
+            frame = broker.sending(consumer, limit)
             if frame is None:
                 if not await consumer.wait(keepalive_s):
                     await context.write(KEEPALIVE_FRAME)
@@ -278,7 +278,7 @@ class FilaService:
             try:
                 await context.write(frame)
             finally:
-                delivery.sent(consumer)
+                broker.sent(consumer)
 
     # -- settlement ----------------------------------------------------------------
 

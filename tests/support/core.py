@@ -17,7 +17,7 @@ from fila.core import retry
 from fila.core.broker import Broker, BrokerSettings
 from fila.core.clock import ManualClock
 from fila.core.consumers import Consumer
-from fila.core.recovery import RecoveryReport, recover
+from fila.core.recovery import RecoveryReport
 from fila.storage.backend import MemoryStorage
 from fila.storage.committer import Committer
 from fila.v1 import service_pb2
@@ -29,6 +29,7 @@ class CoreBroker:
     storage: MemoryStorage
     clock: ManualClock
     committer: Committer
+    random: Callable[[], float]
 
     async def settle(self) -> None:
         """Lets every pending commit, after-commit callback and pump run."""
@@ -59,9 +60,9 @@ class CoreBroker:
         from fila.v1 import service_pb2 as s
 
         ids: list[str] = []
-        delivery = self.broker.delivery
-        while (frame := delivery.sending(consumer, consumer.max_batch)) is not None:
-            delivery.sent(consumer)  # written at once: the client reads
+        broker = self.broker
+        while (frame := broker.sending(consumer, consumer.max_batch)) is not None:
+            broker.sent(consumer)  # written at once: the client reads
             response = s.ConsumeResponse.FromString(frame)
             ids += [m.id for m in response.messages] or [response.message.id]
         return ids
@@ -90,14 +91,16 @@ def make_core(
         random=random,
     )
     for name in queues:
-        broker.admin.create_queue(
+        broker.create_queue(
             name, "", "", 1000, max_attempts=retry.UNLIMITED, retry_backoff=retry.NONE
         )
-    return CoreBroker(broker, storage, clock, committer)
+    return CoreBroker(broker, storage, clock, committer, random)
 
 
 def restarted(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroker, RecoveryReport]:
-    """A new broker over the same storage and clock, rebuilt by recovery (a restart)."""
+    """A new broker over the same storage and clock, rebuilt by recovery (a restart).
+    Leases whose deadline passed while it was down expire on the timers' first run,
+    as in fila-server: call `settle()` before looking at what they became."""
     core.committer.flush_now()
     committer = Committer(core.storage, "buffer", lambda exc: None)  # type: ignore[arg-type]
     broker = Broker(
@@ -106,7 +109,8 @@ def restarted(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroke
         BrokerSettings.from_config(config or Config()),
         core.clock,
         loop_driven_timers=False,
+        random=core.random,
     )
-    broker.random = core.broker.random
-    report = recover(broker)
-    return CoreBroker(broker, core.storage, core.clock, committer), report
+    report = broker.recover()
+    broker.timers.run_due()
+    return CoreBroker(broker, core.storage, core.clock, committer, core.random), report
