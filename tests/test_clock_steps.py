@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from support.core import make_core, restarted
 
-from fila.core.clock import SteadyClock
+from fila.clock import SteadyClock
 from fila.core.timers import Timers
 
 HOUR_MS = 3_600_000

@@ -1060,9 +1060,9 @@ def test_a_node_without_its_lease_serves_no_queue_even_one_etcd_does_not_place()
     """A queue with no placement in this node's view (etcd does not know it, or the
     view is stale: a replacement with this node's id released it) is served here only
     while this node holds its lease; without it the node is fenced, as for its own."""
+    from fila.clock import ManualClock
     from fila.cluster.errors import Fenced
     from fila.cluster.routing import LOCAL, Router
-    from fila.core.clock import ManualClock
 
     class Lease:
         serving = True

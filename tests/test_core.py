@@ -16,8 +16,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from support.core import CoreBroker, make_core
 
+from fila.clock import ManualClock
 from fila.config import parse_config
-from fila.core.clock import ManualClock
 from fila.core.drr import Drr
 from fila.core.errors import MessageNotFound
 from fila.core.records import MessageRef

@@ -15,7 +15,7 @@ from typing import Any
 from support import until
 from support.core import CoreBroker, make_core, restarted
 
-from fila.core.clock import ManualClock
+from fila.clock import ManualClock
 from fila.core.timers import Timers
 from fila.storage import keys
 from fila.storage.backend import Batch

@@ -120,7 +120,8 @@ def test_exponential_backoff_delays(server: ServerProcess) -> None:
 
 def test_retry_without_delay_is_immediate_and_without_hook_too(server: ServerProcess) -> None:
     with connect(server.addr) as fila:
-        fila.create_queue("plain")  # no on_failure: a nack retries at once
+        # no on_failure, and a retry policy of immediate retries: a nack retries at once
+        fila.create_queue("plain", retry_backoff="none")
         fila.create_queue("zero", on_failure='function on_failure(m) return {action="retry"} end')
         for q in ("plain", "zero"):
             mid = fila.enqueue(q, b"p")

@@ -36,7 +36,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from support import ServerFactory, wait_until
 
 from fila.cli import cli
-from fila.core.clock import ManualClock
+from fila.clock import ManualClock
 from fila.core.errors import InvalidArgument, Unavailable
 from fila.security.acl import Kind, Pattern, Permission, may_delegate
 from fila.security.apikeys import fingerprint

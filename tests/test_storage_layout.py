@@ -13,7 +13,7 @@ from rocksdict import Rdict
 from support import ServerFactory
 from support.stubs import connect
 
-from fila.core.clock import SystemClock
+from fila.clock import SystemClock
 from fila.core.ids import IdGenerator
 from fila.storage import keys
 from fila.storage.backend import Batch, MemoryStorage, RocksStorage, rocks_options

@@ -29,8 +29,8 @@ from support import ServerFactory, wait_until
 from support.otlp import OtlpReceiver, attributes
 from support.stubs import RPC_TIMEOUT_S, Fila, StreamConsumer, connect
 
+from fila.clock import ManualClock
 from fila.config import ConfigError, parse_config
-from fila.core.clock import ManualClock
 from fila.core.throttle import MAX_COUNTED_KEYS, OTHER_KEYS, Throttles
 from fila.telemetry.histogram import FixedHistogram
 from fila.telemetry.logs import (

@@ -3,8 +3,8 @@ many, forgotten when created through this node (in process, on a manual clock)."
 
 from __future__ import annotations
 
+from fila.clock import ManualClock
 from fila.cluster.unknown import UnknownQueues
-from fila.core.clock import ManualClock
 
 
 def test_an_unknown_name_is_remembered_for_its_ttl_only() -> None:

@@ -24,6 +24,7 @@ from typing import Final
 import grpc
 import grpc.aio
 
+from fila.clock import SystemClock
 from fila.cluster import layout as sections
 from fila.cluster.address import Addresses
 from fila.cluster.edge import Edge
@@ -39,7 +40,6 @@ from fila.cluster.routing import Router
 from fila.cluster.shared import EtcdKeyStore, KeyMirror, SharedConfig, find_key
 from fila.config import Config
 from fila.core.broker import Broker
-from fila.core.clock import SystemClock
 from fila.security.keyring import Keyring
 from fila.server.readers import StreamReaders
 from fila.storage import keys

@@ -23,10 +23,10 @@ import logging
 import uuid
 from collections.abc import Iterable
 
+from fila.clock import Clock
 from fila.cluster.etcd import Etcd
 from fila.cluster.layout import Layout, Placement, placed_name
 from fila.cluster.mirror import Mirror
-from fila.core.clock import Clock
 from fila.core.errors import QueueAlreadyExists
 
 log = logging.getLogger("fila.cluster")

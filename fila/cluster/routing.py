@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Final
 
+from fila.clock import Clock
 from fila.cluster.errors import NotOwner, OwnerDown
 from fila.cluster.layout import Layout, NodeRecord, placed_name
 from fila.cluster.lease import NodeLease
@@ -40,7 +41,6 @@ from fila.cluster.mirror import Mirror
 from fila.cluster.nodes import Nodes
 from fila.cluster.placement import Placements
 from fila.cluster.unknown import UnknownQueues
-from fila.core.clock import Clock
 from fila.core.errors import InvalidArgument
 from fila.core.queue import validate_queue_name
 

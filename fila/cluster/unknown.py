@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Final
 
-from fila.core.clock import Clock
+from fila.clock import Clock
 
 UNKNOWN_TTL_MS: Final = 1000
 MAX_UNKNOWN: Final = 10_000

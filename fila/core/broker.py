@@ -32,8 +32,8 @@ from __future__ import annotations
 import random as _random
 from collections.abc import Callable
 
+from fila.clock import Clock
 from fila.core.administration import Administration
-from fila.core.clock import Clock
 from fila.core.delivery import Delivery
 from fila.core.enqueue import Enqueueing, ItemResult
 from fila.core.errors import Unavailable

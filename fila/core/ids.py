@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 import random
 
-from fila.core.clock import Clock
+from fila.clock import Clock
 
 _COUNTER_BITS = 12
 _COUNTER_MAX = (1 << _COUNTER_BITS) - 1

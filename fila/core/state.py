@@ -26,8 +26,8 @@ import random as _random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fila.clock import Clock
 from fila.config import Config
-from fila.core.clock import Clock
 from fila.core.consumers import BufferBudget
 from fila.core.enqueueing import Limits
 from fila.core.errors import QueueNotFound, Unavailable

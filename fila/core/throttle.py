@@ -13,7 +13,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from fila.core.clock import Clock
+from fila.clock import Clock
 
 THROTTLE_PREFIX = "throttle."
 # A slower rate would hold a key back for hours per token; a faster one is no limit.

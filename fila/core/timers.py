@@ -24,7 +24,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from fila.core.clock import Clock
+from fila.clock import Clock
 
 log = logging.getLogger("fila.timers")
 

@@ -22,7 +22,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
-from fila.core.clock import Clock
+from fila.clock import Clock
 from fila.lua.sandbox import LuaSandbox, Outcome, ScriptError
 from fila.lua.script_log import ScriptLog, _Bucket
 from fila.lua.static_check import check_globals

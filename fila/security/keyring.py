@@ -31,7 +31,7 @@ import logging
 from collections.abc import Awaitable, Iterable
 from enum import Enum
 
-from fila.core.clock import Clock
+from fila.clock import Clock
 from fila.core.errors import (
     ApiKeyNotFound,
     InvalidArgument,

@@ -29,8 +29,8 @@ from typing import Any, TypeAlias
 
 import grpc
 
+from fila.clock import SystemClock
 from fila.config import AuthSection
-from fila.core.clock import SystemClock
 from fila.core.errors import BrokerError, Unauthenticated
 from fila.security.apikeys import fingerprint
 from fila.security.failures import FailureGuard

@@ -36,9 +36,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from fila import __version__
+from fila.clock import SteadyClock
 from fila.config import Config, ConfigError, default_config_text, load_config
 from fila.core.broker import Broker, BrokerSettings
-from fila.core.clock import SteadyClock
 from fila.core.errors import BrokerError
 from fila.security.keyring import Keyring
 from fila.server import admin, service

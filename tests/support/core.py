@@ -1,7 +1,7 @@
 """An in-process broker on in-memory storage and a manual clock, for fast core tests.
 
 These are the seams the core is built around (`fila.storage.backend.Storage`,
-`fila.core.clock.Clock`), not mocks: the same `Broker`, `Committer`, DRR, leases and
+`fila.clock.Clock`), not mocks: the same `Broker`, `Committer`, DRR, leases and
 timers run as in `fila-server`; only the disk and the passage of time are replaced,
 so a test can move time by an hour in a microsecond and count storage writes.
 """
@@ -12,10 +12,10 @@ import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from fila.clock import ManualClock
 from fila.config import Config
 from fila.core import retry
 from fila.core.broker import Broker, BrokerSettings
-from fila.core.clock import ManualClock
 from fila.core.consumers import Consumer
 from fila.core.recovery import RecoveryReport
 from fila.storage.backend import MemoryStorage

@@ -38,11 +38,15 @@ class Fila:
         on_enqueue: str = "",
         on_failure: str = "",
         visibility_timeout_ms: int = 0,
+        retry_backoff: str = "",
+        max_attempts: int = 0,
     ) -> admin_pb2.CreateQueueResponse:
         config = admin_pb2.QueueConfig(
             on_enqueue_script=on_enqueue,
             on_failure_script=on_failure,
             visibility_timeout_ms=visibility_timeout_ms,
+            retry_backoff=retry_backoff,
+            max_attempts=max_attempts,
         )
         return self.admin.CreateQueue(
             admin_pb2.CreateQueueRequest(name=name, config=config), timeout=RPC_TIMEOUT_S
