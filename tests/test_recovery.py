@@ -590,7 +590,11 @@ async def _load_then_kill(server: ServerProcess, moment: KillMoment) -> Ledger:
         await admin.CreateQueue(
             admin_pb2.CreateQueueRequest(
                 name=LOAD_QUEUE,
-                config=admin_pb2.QueueConfig(visibility_timeout_ms=LOAD_VISIBILITY_MS),
+                # Immediate retries: expiries (also those recovery finds) come back at
+                # once, so the drain measures crash safety, not the backoff curve.
+                config=admin_pb2.QueueConfig(
+                    visibility_timeout_ms=LOAD_VISIBILITY_MS, retry_backoff="none"
+                ),
             ),
             timeout=RPC_S,
         )

@@ -29,7 +29,7 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 async def _dead_letters(count: int = DEAD) -> tuple[CoreBroker, list[str]]:
     """A broker whose `jobs.dlq` holds `count` dead letters, one fairness key each."""
     core = make_core()
-    await core.broker.admin.create_queue("jobs", KEY_PER_MESSAGE, TO_DLQ, 60_000)
+    await core.broker.create_queue("jobs", KEY_PER_MESSAGE, TO_DLQ, 60_000)
     requests = [
         service_pb2.EnqueueRequest(queue="jobs", headers={"k": f"k{i}"}, payload=b"%d" % i)
         for i in range(count)
@@ -37,13 +37,13 @@ async def _dead_letters(count: int = DEAD) -> tuple[CoreBroker, list[str]]:
     _, committed = core.broker.enqueue(requests)
     await committed
     await core.settle()
-    consumer = core.broker.delivery.attach_consumer("jobs", prefetch=count, max_batch=count)
+    consumer = core.broker.attach_consumer("jobs", prefetch=count, max_batch=count)
     await core.settle()
     ids = core.take(consumer)
     results, committed = core.broker.nack([("jobs", i, "boom") for i in ids])
     await committed
     assert results == [None] * count
-    core.broker.delivery.detach_consumer(consumer)
+    core.broker.detach_consumer(consumer)
     await core.settle()
     assert core.broker.queues["jobs.dlq"].drr.ready_count == count
     assert len(core.broker.queues["jobs.dlq"].drr.keys) == count
@@ -75,9 +75,9 @@ def _stored_queue_ids(core: CoreBroker) -> dict[str, list[str]]:
 def test_a_redrive_moves_in_bounded_chunks_and_the_loop_serves_others_between_them() -> None:
     async def scenario() -> None:
         core, ids = await _dead_letters()
-        await core.broker.admin.create_queue("other", "", "", 1000)
+        await core.broker.create_queue("other", "", "", 1000)
         dlq = core.broker.queues["jobs.dlq"]
-        task = asyncio.create_task(core.broker.admin.redrive("jobs.dlq", 0))
+        task = asyncio.create_task(core.broker.redrive("jobs.dlq", 0))
         seen = [dlq.drr.ready_count]
         answered_during = False
         while not task.done():
@@ -103,7 +103,7 @@ def test_a_redrive_moves_count_messages_over_several_chunks() -> None:
     async def scenario() -> None:
         core, ids = await _dead_letters()
         wanted = REDRIVE_CHUNK_MESSAGES + 300
-        assert await core.broker.admin.redrive("jobs.dlq", wanted) == wanted
+        assert await core.broker.redrive("jobs.dlq", wanted) == wanted
         await core.settle()
         moved, left = _ready_ids(core, "jobs"), _ready_ids(core, "jobs.dlq")
         assert len(moved) == wanted and len(left) == DEAD - wanted
@@ -115,9 +115,9 @@ def test_a_redrive_moves_count_messages_over_several_chunks() -> None:
 def test_messages_leased_during_a_redrive_stay_leased_in_the_dlq() -> None:
     async def scenario() -> None:
         core, ids = await _dead_letters()
-        task = asyncio.create_task(core.broker.admin.redrive("jobs.dlq", 0))
+        task = asyncio.create_task(core.broker.redrive("jobs.dlq", 0))
         await _after_first_chunk(core, task)
-        reader = core.broker.delivery.attach_consumer("jobs.dlq", prefetch=100, max_batch=100)
+        reader = core.broker.attach_consumer("jobs.dlq", prefetch=100, max_batch=100)
         await core.settle()
         leased = core.take(reader)
         assert len(leased) == 100
@@ -134,9 +134,9 @@ def test_messages_leased_during_a_redrive_stay_leased_in_the_dlq() -> None:
 def test_a_purge_during_a_redrive_ends_it_with_what_moved() -> None:
     async def scenario() -> None:
         core, _ = await _dead_letters()
-        task = asyncio.create_task(core.broker.admin.redrive("jobs.dlq", 0))
+        task = asyncio.create_task(core.broker.redrive("jobs.dlq", 0))
         await _after_first_chunk(core, task)
-        purged, committed = core.broker.admin.purge("jobs.dlq")
+        purged, committed = core.broker.purge("jobs.dlq")
         await committed
         moved = await task
         await core.settle()
@@ -151,9 +151,9 @@ def test_a_purge_during_a_redrive_ends_it_with_what_moved() -> None:
 def test_deleting_the_queue_during_a_redrive_ends_it_and_leaves_nothing() -> None:
     async def scenario() -> None:
         core, _ = await _dead_letters()
-        task = asyncio.create_task(core.broker.admin.redrive("jobs.dlq", 0))
+        task = asyncio.create_task(core.broker.redrive("jobs.dlq", 0))
         await _after_first_chunk(core, task)
-        await core.broker.admin.delete_queue("jobs")
+        await core.broker.delete_queue("jobs")
         moved = await task
         await core.settle()
         assert 0 < moved < DEAD
@@ -165,7 +165,7 @@ def test_deleting_the_queue_during_a_redrive_ends_it_and_leaves_nothing() -> Non
 def test_a_shutdown_during_a_redrive_ends_it_with_what_moved() -> None:
     async def scenario() -> None:
         core, _ = await _dead_letters()
-        task = asyncio.create_task(core.broker.admin.redrive("jobs.dlq", 0))
+        task = asyncio.create_task(core.broker.redrive("jobs.dlq", 0))
         await _after_first_chunk(core, task)
         core.broker.close()
         moved = await task
@@ -179,7 +179,7 @@ def test_a_shutdown_during_a_redrive_ends_it_with_what_moved() -> None:
 def test_a_crash_during_a_redrive_loses_and_duplicates_nothing() -> None:
     async def scenario() -> None:
         core, ids = await _dead_letters()
-        task = asyncio.create_task(core.broker.admin.redrive("jobs.dlq", 0))
+        task = asyncio.create_task(core.broker.redrive("jobs.dlq", 0))
         await _after_first_chunk(core, task)
         await asyncio.sleep(0)  # and then some
         after, _ = restarted(core)  # the storage as a kill -9 leaves it, recovered
@@ -190,7 +190,7 @@ def test_a_crash_during_a_redrive_loses_and_duplicates_nothing() -> None:
         for ref in after.broker.queues["jobs"].drr.upcoming():
             assert ref.attempt_count == 0 and ref.fairness_key.startswith("k")
         # the rest moves with a second redrive, once
-        assert await after.broker.admin.redrive("jobs.dlq", 0) == len(left)
+        assert await after.broker.redrive("jobs.dlq", 0) == len(left)
         await after.settle()
         assert _ready_ids(after, "jobs") == set(ids)
 
