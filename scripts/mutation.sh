@@ -9,8 +9,8 @@
 # test green ("survived") marks behaviour no test pins. mutmut runs, for each mutant,
 # only the tests that called the mutated function, so the run scales with the code.
 #
-# Which tests: every tests/test_*.py that drives the core in-process (imports
-# `support.core`), plus tests/test_storage_committer.py, minus the tests in those
+# Which tests: tests/core/ and every tests/test_*.py that drives the core in-process
+# (imports `support.core`), plus tests/test_storage_committer.py, minus the tests in those
 # files that start server processes (`-m "not process"`, see tests/conftest.py):
 # a mutant lives in this process only, and a server child would never see it.
 # Override with MUTATION_TESTS="tests/a.py tests/b.py".
@@ -34,7 +34,10 @@ if [[ -n "${MUTATION_TESTS:-}" ]]; then
   read -r -a tests <<<"$MUTATION_TESTS"
 else
   mapfile -t tests < <(
-    { grep -l "^from support.core import" tests/test_*.py; echo tests/test_storage_committer.py; } |
+    {
+      grep -l "^from support.core import" tests/test_*.py tests/core/test_*.py
+      echo tests/test_storage_committer.py
+    } |
       sort -u
   )
 fi

@@ -7,7 +7,8 @@ forward of two hours expired every lease at once (messages delivered again while
 consumers held them) and left a 100 ms timer waiting behind the one armed for an hour
 before the step; a step back of two hours froze leases, delays and throttles for two
 hours. `SteadyClock` counts elapsed time on the monotonic clock from the wall clock read
-at start, and recovery bounds a lease or a delay stored before a step back to its length.
+at start; recovery bounds a lease or a delay stored before a step back to its length
+(tests/core/test_recovery.py).
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable
-
-from support.core import make_core, restarted
 
 from fila.clock import SteadyClock
 from fila.core.timers import Timers
@@ -86,55 +85,5 @@ def test_a_step_back_does_not_freeze_timers() -> None:
         await asyncio.wait_for(due.wait(), PROMPT_S)
         assert await _fires_promptly(timers, clock, 100)
         timers.close()
-
-    run(scenario)
-
-
-def test_a_lease_and_a_delay_stored_before_a_step_back_last_at_most_their_length() -> None:
-    """The broker stopped, the clock went back two hours, the broker started: the lease
-    (1 s visibility timeout) and the 3 s delay it stored began "in the future". Each
-    lasts at most its length from the restart, not two hours more."""
-
-    async def scenario() -> None:
-        core = make_core(queues=["q"])  # visibility timeout 1000 ms
-        (leased,) = await core.enqueue("q")
-        consumer = core.broker.attach_consumer("q")
-        await core.settle()
-        assert core.take(consumer) == [leased]
-        (delayed,) = await core.enqueue("q", delay_ms=3000)
-        core.clock.advance(-2 * HOUR_MS)
-
-        core, report = restarted(core)
-        assert (report.leased, report.delayed) == (1, 1)
-        queue = core.broker.queues["q"]
-        await core.advance(1001)
-        assert len(queue.leases) == 0 and queue.counters.expired == 1
-        assert len(queue.delayed) == 1
-        await core.advance(2000)
-        assert len(queue.delayed) == 0
-        consumer = core.broker.attach_consumer("q")
-        await core.settle()
-        assert sorted(core.take(consumer)) == sorted([leased, delayed])
-
-    run(scenario)
-
-
-def test_waits_stored_before_a_step_forward_end_by_the_clock() -> None:
-    """Stepped forward between runs: the lease's deadline passed, so it counts as an
-    expired delivery, and the delay is due; nothing waits longer than it would have."""
-
-    async def scenario() -> None:
-        core = make_core(queues=["q"])
-        (leased,) = await core.enqueue("q")
-        consumer = core.broker.attach_consumer("q")
-        await core.settle()
-        assert core.take(consumer) == [leased]
-        await core.enqueue("q", delay_ms=3000)
-        core.clock.advance(2 * HOUR_MS)
-
-        core, report = restarted(core)
-        assert (report.leased, report.expired) == (0, 1)
-        await core.advance(0)
-        assert len(core.broker.queues["q"].delayed) == 0
 
     run(scenario)

@@ -1,0 +1,162 @@
+"""Delays: messages enqueued with `delay_ms`, retries `on_failure` delays, and the timers
+that make them ready on the broker's clock.
+
+SPEC 1 (job-queue additions) and 2: a delayed message is stored at once, counts in
+its queue's depth, and becomes ready when due; `on_failure`'s
+`{action="retry", delay_ms=N}` makes a failed message ready again after N ms (0: at
+once). A delay is stored beside the message (its due time), so it survives a
+restart (tests/core/test_recovery.py).
+"""
+
+from __future__ import annotations
+
+from support.core import ManualClock, make_core, run_async
+
+from fila.core.errors import InvalidArgument
+from fila.core.timers import Timers
+from fila.storage import keys
+from fila.v1 import service_pb2
+
+BACKOFF = """
+function on_failure(m)
+  return { action = "retry", delay_ms = 100 * 2 ^ (m.attempts - 1) }
+end
+"""
+YEAR_MS = 366 * 24 * 3600 * 1000
+
+
+@run_async
+async def test_a_delayed_message_counts_in_depth_and_becomes_ready_at_its_due_time() -> None:
+    core = make_core(queues=["q"])
+    (later,) = await core.enqueue("q", delay_ms=5000)
+    (now,) = await core.enqueue("q")
+    consumer = await core.attach("q")
+    assert core.take(consumer) == [now]
+    assert core.depth("q") == (1, 1) and core.delayed("q") == 1
+    await core.ack("q", now)
+    await core.advance(4999)
+    assert core.take(consumer) == []
+    await core.advance(1)
+    (message,) = core.receive(consumer)
+    assert (message.id, message.metadata.attempt_count) == (later, 0)
+    assert message.timestamps.leased_at.ToMilliseconds() == (
+        message.timestamps.enqueued_at.ToMilliseconds() + 5000
+    )
+    assert core.delayed("q") == 0
+
+
+@run_async
+async def test_a_delay_is_stored_beside_its_message_until_it_is_due() -> None:
+    core = make_core(queues=["q"])
+    (message_id,) = await core.enqueue("q", delay_ms=1000)
+    (side,) = core.stored(keys.DELAY)
+    assert keys.message_key_from_side_key(side) == keys.MESSAGE + bytes.fromhex(
+        message_id.replace("-", "")
+    )
+    await core.advance(1000)
+    assert core.stored(keys.DELAY) == []
+    assert core.stored_message(message_id) is not None
+
+
+@run_async
+async def test_a_delay_over_the_limit_is_refused_and_stores_nothing() -> None:
+    core = make_core(queues=["q"])
+    results = await core.enqueue_requests(
+        [
+            service_pb2.EnqueueRequest(queue="q", delay_ms=YEAR_MS + 1),
+            service_pb2.EnqueueRequest(queue="q", delay_ms=YEAR_MS),
+        ]
+    )
+    assert isinstance(results[0], InvalidArgument)
+    assert isinstance(results[1], str)
+    assert core.depth("q") == (1, 0) and core.delayed("q") == 1
+    assert len(core.stored(keys.MESSAGE)) == 1
+
+
+@run_async
+async def test_messages_due_in_the_same_millisecond_all_become_ready_in_id_order() -> None:
+    core = make_core(queues=["q"])
+    ids = await core.enqueue("q", 50, delay_ms=250)
+    consumer = await core.attach("q", prefetch=100, max_batch=100)
+    await core.advance(249)
+    assert core.take(consumer) == []
+    await core.advance(1)
+    assert core.take(consumer) == ids
+
+
+@run_async
+async def test_an_on_failure_delay_holds_each_retry_for_its_time() -> None:
+    core = make_core()
+    await core.create_queue("q", on_failure=BACKOFF)
+    (message_id,) = await core.enqueue("q", headers={"h": "v"})
+    consumer = await core.attach("q")
+    assert core.take(consumer) == [message_id]
+    for attempt in range(1, 6):
+        delay = 100 * 2 ** (attempt - 1)  # 100, 200, 400, 800, 1600
+        await core.nack("q", message_id, error=f"fail {attempt}")
+        assert core.depth("q") == (1, 0), "a pending retry counts in depth, not in flight"
+        await core.advance(delay - 1)
+        assert core.take(consumer) == [], attempt
+        await core.advance(1)
+        (again,) = core.receive(consumer)
+        assert (again.id, again.metadata.attempt_count) == (message_id, attempt)
+        assert dict(again.headers) == {"h": "v"}
+    await core.ack("q", message_id)
+    assert core.depth("q") == (0, 0)
+
+
+@run_async
+async def test_a_retry_with_no_delay_is_ready_at_once_with_or_without_a_hook() -> None:
+    core = make_core()
+    await core.create_queue("plain")
+    await core.create_queue(
+        "zero", on_failure='function on_failure(m) return { action = "retry" } end'
+    )
+    for queue in ("plain", "zero"):
+        (message_id,) = await core.enqueue(queue)
+        consumer = await core.attach(queue)
+        core.take(consumer)
+        await core.nack(queue, message_id)
+        assert core.take(consumer) == [message_id], queue
+        assert core.attempts(queue) == {message_id: 1}
+
+
+@run_async
+async def test_a_purged_delayed_message_never_comes_back() -> None:
+    core = make_core(queues=["q"])
+    await core.enqueue("q", delay_ms=1000)
+    assert await core.purge("q") == 1
+    assert core.stored(keys.DELAY) == [] and core.stored(keys.MESSAGE) == []
+    consumer = await core.attach("q")
+    await core.advance(1000)
+    assert core.take(consumer) == [] and core.depth("q") == (0, 0)
+
+
+@run_async
+async def test_a_delayed_message_of_a_deleted_queue_does_not_come_back_in_its_namesake() -> None:
+    core = make_core(queues=["q"])
+    await core.enqueue("q", delay_ms=1000)
+    await core.delete_queue("q")
+    await core.create_queue("q")
+    consumer = await core.attach("q")
+    await core.advance(1000)
+    assert core.take(consumer) == [] and core.depth("q") == (0, 0)
+    assert core.stored(keys.DELAY) == [] and core.stored(keys.MESSAGE) == []
+
+
+def test_timers_fire_in_time_order_only_when_due() -> None:
+    clock = ManualClock()
+    fired: list[str] = []
+    timers = Timers(clock, lambda _: True, loop_driven=False)
+    start = clock.now_ms()
+    for delay, name in ((300, "c"), (100, "a"), (200, "b"), (100, "a2")):
+        timers.at(start + delay, fired.append, name)
+    timers.run_due()
+    assert fired == []
+    clock.advance(150)
+    timers.run_due()
+    assert fired == ["a", "a2"]
+    clock.advance(1000)
+    timers.run_due()
+    assert fired == ["a", "a2", "b", "c"]
+    assert len(timers) == 0

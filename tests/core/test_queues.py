@@ -1,0 +1,208 @@
+"""Queues: creating and deleting them, and what an operator sees and changes inside
+one (stats, peek, purge).
+
+SPEC 2: creating `orders` also creates `orders.dlq`; deleting a queue deletes its
+messages, leases and DLQ. SPEC 1 (job-queue additions): PeekMessages lists ready,
+delayed and leased messages in id order and changes nothing; PurgeQueue deletes the
+ready and delayed ones and leaves leased ones to finish. Stats count what happened.
+"""
+
+from __future__ import annotations
+
+import pytest
+from support.core import config, make_core, run_async
+
+from fila.core.errors import (
+    InvalidArgument,
+    MessageNotFound,
+    QueueAlreadyExists,
+    QueueNotFound,
+    ResourceExhausted,
+)
+from fila.storage import keys
+
+TENANT = "function on_enqueue(m) return { fairness_key = m.headers.tenant } end"
+
+
+# -- create and delete ------------------------------------------------------------------------
+
+
+@run_async
+async def test_creating_a_queue_creates_its_dead_letter_queue_too() -> None:
+    core = make_core()
+    assert core.queue_names() == []
+    await core.create_queue("orders")
+    assert core.queue_names() == ["orders", "orders.dlq"]
+    assert core.depth("orders.dlq") == (0, 0)
+    assert len(core.stored(keys.QUEUE)) == 2
+
+
+@pytest.mark.parametrize(
+    ("name", "error", "words"),
+    [
+        ("", InvalidArgument, "must not be empty"),
+        ("a/b", InvalidArgument, "may only contain"),
+        ("x" * 256, InvalidArgument, "the limit is 255"),
+        ("orders.dlq", InvalidArgument, "reserved for dead-letter queues"),
+        ("orders", QueueAlreadyExists, "orders"),
+    ],
+)
+@run_async
+async def test_a_queue_name_that_is_invalid_reserved_or_taken_is_refused(
+    name: str, error: type[Exception], words: str
+) -> None:
+    core = make_core(queues=["orders"])
+    with pytest.raises(error, match=words):
+        await core.create_queue(name)
+    assert core.queue_names() == ["orders", "orders.dlq"]
+
+
+@run_async
+async def test_max_queues_counts_a_queue_and_its_dlq_as_one() -> None:
+    core = make_core(config=config("[server]\nmax_queues = 2\n"), queues=["a", "b"])
+    with pytest.raises(ResourceExhausted, match="the limit is 2"):
+        await core.create_queue("c")
+    await core.delete_queue("a")
+    await core.create_queue("c")
+    assert core.queue_names() == ["b", "b.dlq", "c", "c.dlq"]
+
+
+@run_async
+async def test_deleting_a_queue_deletes_its_dlq_its_messages_and_its_leases() -> None:
+    core = make_core()
+    await core.create_queue("gone", on_failure='function on_failure(m) return {action="dlq"} end')
+    await core.create_queue("kept")
+    (kept,) = await core.enqueue("kept")
+    dead, leased, _ = await core.enqueue("gone", 3)
+    await core.enqueue("gone", delay_ms=1000)
+    consumer = await core.attach("gone", prefetch=2, max_batch=2)
+    assert core.take(consumer) == [dead, leased]
+    await core.nack("gone", dead)
+    await core.delete_queue("gone")
+    assert core.queue_names() == ["kept", "kept.dlq"]
+    with pytest.raises(QueueNotFound):
+        core.receive(consumer)  # its stream ends with NOT_FOUND
+    assert isinstance((await core.ack("gone", leased))[0], QueueNotFound)
+    with pytest.raises(QueueNotFound):
+        core.stats("gone.dlq")
+    assert core.stored(keys.MESSAGE) == [keys.MESSAGE + bytes.fromhex(kept.replace("-", ""))]
+    assert core.stored(keys.LEASE) == [] and core.stored(keys.DELAY) == []
+    await core.create_queue("gone")
+    assert core.depth("gone") == (0, 0) and core.depth("gone.dlq") == (0, 0)
+
+
+@run_async
+async def test_a_dlq_cannot_be_deleted_while_its_queue_exists() -> None:
+    core = make_core(queues=["q"])
+    with pytest.raises(InvalidArgument, match="delete that queue instead"):
+        await core.delete_queue("q.dlq")
+    assert core.queue_names() == ["q", "q.dlq"]
+
+
+# -- peek and purge ---------------------------------------------------------------------------
+
+
+@run_async
+async def test_peek_lists_ready_delayed_and_leased_messages_in_id_order_and_changes_nothing() -> (
+    None
+):
+    core = make_core()
+    await core.create_queue("q", on_enqueue=TENANT)
+    ids = await core.enqueue_each("q", [{"tenant": "ab"[i % 2]} for i in range(10)])
+    (delayed,) = await core.enqueue("q", delay_ms=60_000, headers={"tenant": "a"})
+    ids.append(delayed)
+    consumer = await core.attach("q", prefetch=1)
+    (leased,) = core.take(consumer)
+    before = (core.depth("q"), core.attempts("q"), core.stats("q").counters.delivered)
+    page, after = core.peek("q")
+    assert [m.id for m in page] == ids and after == ""
+    by_id = {m.id: m for m in page}
+    assert by_id[leased].timestamps.HasField("leased_at")
+    assert not by_id[delayed].timestamps.HasField("leased_at")
+    first, after = core.peek("q", limit=4)
+    assert [m.id for m in first] == ids[:4] and after == ids[3]
+    second, after = core.peek("q", limit=4, after_id=after)
+    assert [m.id for m in second] == ids[4:8] and after == ids[7]
+    last, after = core.peek("q", limit=4, after_id=after)
+    assert [m.id for m in last] == ids[8:] and after == ""
+    only_b, _ = core.peek("q", fairness_key="b")
+    assert [m.id for m in only_b] == ids[1:10:2]
+    assert (core.depth("q"), core.attempts("q"), core.stats("q").counters.delivered) == before
+
+
+@run_async
+async def test_peek_refuses_an_after_id_that_is_not_an_id_and_a_queue_that_does_not_exist() -> None:
+    core = make_core(queues=["q"])
+    with pytest.raises(InvalidArgument, match="not a message id"):
+        core.peek("q", after_id="not-an-id")
+    with pytest.raises(QueueNotFound):
+        core.peek("nope")
+
+
+@run_async
+async def test_purge_and_peek_see_the_same_messages() -> None:
+    core = make_core(queues=["q"])
+    ids = await core.enqueue("q", 5)
+    page, after = core.peek("q", limit=3)
+    assert [m.id for m in page] == ids[:3] and after == ids[2]
+    assert await core.purge("q") == 5
+    assert core.depth("q") == (0, 0)
+    assert core.peek("q", limit=10) == ([], "")
+
+
+@run_async
+async def test_purge_deletes_ready_and_delayed_messages_and_leaves_leased_ones_to_finish() -> None:
+    core = make_core(queues=["q"])
+    ids = await core.enqueue("q", 5)
+    await core.enqueue("q", delay_ms=60_000)
+    consumer = await core.attach("q", prefetch=2, max_batch=2)
+    held = core.take(consumer)
+    assert await core.purge("q") == 4
+    assert core.depth("q") == (0, 2)
+    assert core.stats("q").counters.purged == 4
+    assert await core.ack("q", *held) == [None, None]
+    assert await core.purge("q") == 0
+    assert core.stored(keys.MESSAGE) == [] and core.stored(keys.DELAY) == []
+    assert held == ids[:2]
+    with pytest.raises(QueueNotFound):
+        await core.purge("nope")
+
+
+# -- stats ------------------------------------------------------------------------------------
+
+
+@run_async
+async def test_stats_count_what_happened_to_the_queues_messages() -> None:
+    core = make_core()
+    await core.create_queue(
+        "q",
+        on_enqueue=TENANT,
+        on_failure='function on_failure(m) if m.attempts >= 2 then return { action = "dlq" } '
+        'end return { action = "retry" } end',
+        visibility_timeout_ms=1000,
+    )
+    ids = await core.enqueue_each("q", [{"tenant": "ab"[i % 2]} for i in range(6)])
+    consumer = await core.attach("q", prefetch=10, max_batch=10)
+    assert core.take(consumer) == ids
+    await core.ack("q", *ids[:3])
+    await core.nack("q", ids[3])
+    assert core.take(consumer) == ids[3:4]
+    await core.nack("q", ids[3])  # the second failure: dead-lettered
+    await core.advance(1000)  # the last two expire and come back
+    assert core.take(consumer) == ids[4:]
+    await core.ack("q", *ids[4:])
+    stats = core.stats("q")
+    counters = stats.counters
+    assert (
+        counters.enqueued,
+        counters.delivered,
+        counters.acked,
+        counters.nacked,
+        counters.expired,
+        counters.dead_lettered,
+    ) == (6, 9, 5, 2, 2, 1)
+    assert (stats.depth, stats.in_flight, stats.active_consumers) == (0, 0, 1)
+    assert stats.per_key == [], "no backlog: no key listed"
+    assert core.depth("q.dlq") == (1, 0)
+    with pytest.raises(MessageNotFound):
+        await core.extend("q", ids[3], 1000)
