@@ -37,6 +37,24 @@ def dlq_owner(name: str) -> str | None:
     return None
 
 
+# QueueConfig.max_attempts for "no limit" (0 there means "the broker's default", 25).
+UNLIMITED_ATTEMPTS: Final = 2**32 - 1
+
+
+def parse_max_attempts(text: str) -> int:
+    """A `max_attempts` as people write it (a whole number from 1, or `unlimited`) in
+    its wire form; ValueError saying what is accepted otherwise."""
+    spec = text.strip().lower()
+    if spec == "unlimited":
+        return UNLIMITED_ATTEMPTS
+    if not (spec.isascii() and spec.isdigit()):
+        raise ValueError(f'"{text}" is not a number of attempts or "unlimited"')
+    count = int(spec)
+    if not 1 <= count < UNLIMITED_ATTEMPTS:
+        raise ValueError(f"{count} attempts: give at least 1, or unlimited")
+    return count
+
+
 def is_port(text: str) -> bool:
     """A TCP port written in ASCII digits, 1-65535. `str.isdigit` alone also takes
     other scripts' digits (full-width ones, say), which `int` reads but no resolver does."""

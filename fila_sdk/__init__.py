@@ -5,6 +5,8 @@ API, return the plain records in `fila_sdk.types` and raise the classes in
 `fila_sdk.errors`. `Worker` runs a handler per message of a queue and settles it.
 """
 
+from fila.wire import UNLIMITED_ATTEMPTS
+
 from .aio import AsyncClient
 from .client import Client
 from .errors import (
@@ -26,7 +28,6 @@ from .errors import (
     UnavailableError,
 )
 from .types import (
-    UNLIMITED_ATTEMPTS,
     Acl,
     AclPermission,
     ApiKeyInfo,

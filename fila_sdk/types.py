@@ -16,6 +16,7 @@ from typing import Any
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from fila.v1 import admin_pb2, messages_pb2
+from fila.wire import UNLIMITED_ATTEMPTS
 
 __all__ = [
     "Acl",
@@ -142,10 +143,6 @@ class PeekPage:
             resp.next_after_id or None,
             tuple(PeekedState.from_proto(s) for s in resp.states),
         )
-
-
-# QueueConfig.max_attempts on the wire for "no limit" (0 there means the default, 25).
-UNLIMITED_ATTEMPTS = 2**32 - 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,8 +25,8 @@ from fila.cli.views import (
     queues_table,
     stats_json,
 )
+from fila.wire import parse_max_attempts
 from fila_sdk import (
-    UNLIMITED_ATTEMPTS,
     Client,
     Message,
     PeekedState,
@@ -76,15 +76,10 @@ class _Attempts(click.ParamType):  # type: ignore[type-arg]
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> Any:
         if isinstance(value, int):
             return value
-        if str(value).strip().lower() == "unlimited":
-            return UNLIMITED_ATTEMPTS
         try:
-            count = int(value)
-        except ValueError:
-            self.fail(f'"{value}" is not a number of attempts or "unlimited"', param, ctx)
-        if not 1 <= count < UNLIMITED_ATTEMPTS:
-            self.fail(f"{count} attempts: give at least 1, or unlimited", param, ctx)
-        return count
+            return parse_max_attempts(str(value))
+        except ValueError as err:
+            self.fail(str(err), param, ctx)
 
 
 def _retry_options(command: F) -> F:

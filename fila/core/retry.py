@@ -28,10 +28,11 @@ from typing import Final
 from fila.core.errors import InvalidArgument, clip
 from fila.durations import format_ms, parse_ms
 from fila.lua.hooks import DEFAULT_FAILURE, FailureDecision
+from fila.wire import UNLIMITED_ATTEMPTS
 
 DEFAULT_MAX_ATTEMPTS: Final = 25
 # The wire's "no limit" (QueueConfig.max_attempts is a uint32; 0 is "the default").
-UNLIMITED: Final = 2**32 - 1
+UNLIMITED: Final = UNLIMITED_ATTEMPTS
 EXPONENTIAL: Final = "exponential"
 NONE: Final = "none"
 FIXED_PREFIX: Final = "fixed:"
