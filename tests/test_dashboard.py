@@ -27,11 +27,13 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent import futures
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 from support import ServerFactory, ServerProcess
 from support.dashboard import DashboardProcess
 from support.stubs import ConsumeStream, Fila, connect
@@ -110,6 +112,27 @@ def page(browser: Browser) -> Iterator[Page]:
     yield new_page
     context.close()
     assert not problems, problems
+
+
+@pytest.fixture(scope="module")
+def shared_broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """One broker for the tests that only need queues of their own (each test names its
+    own), so they do not each pay for starting one."""
+    broker = ServerProcess(tmp_path_factory.mktemp("shared-broker") / "data").start()
+    yield broker
+    if broker.running:
+        broker.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_dash(
+    shared_broker: ServerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[DashboardProcess]:
+    """A dashboard with writes enabled on `shared_broker`, for the same tests."""
+    log = tmp_path_factory.mktemp("shared-dashboard") / "dashboard.log"
+    dash = DashboardProcess(shared_broker.addr, log, extra_args=WRITES_ON_LOOPBACK).start()
+    yield dash
+    dash.stop()
 
 
 DashboardFactory = Callable[..., DashboardProcess]
@@ -341,7 +364,7 @@ def test_queue_page_shows_shares_matching_weights(
         page.goto(dash.url + "/queues/tenants")
         expect(page.locator('#keys tr[data-key="noisy"] td.pending')).to_have_text("5000")
         expect(page.locator('#keys tr[data-key="premium"] td.weight')).to_have_text("3")
-        expect(page.locator("#lua-hooks")).to_contain_text("does not expose")
+        expect(page.locator("#queue-on-enqueue")).to_contain_text("msg.headers.tenant")
 
         # A noisy producer and a quiet one keep going while one consumer drains the
         # queue at 300/s: 4,000 deliveries at 1:1:3 take 800/800/2,400, so every key
@@ -515,6 +538,158 @@ def test_dlq_redrive_and_purge_change_the_broker(
             )
             assert refused.status == 404 and "not a dead-letter queue" in refused.text()
         assert stats(fila, "jobs").depth == 2
+
+
+# ------------------------------------------------------------ failures, schedules, settings
+
+
+def utc(moment: Timestamp) -> str:
+    """A Timestamp as the dashboard writes it."""
+    seconds = datetime.fromtimestamp(moment.seconds, UTC).strftime("%Y-%m-%d %H:%M:%S")
+    return f"{seconds}.{moment.nanos // 1_000_000:03d} UTC"
+
+
+def test_dlq_page_shows_why_and_when_each_message_failed(
+    shared_broker: ServerProcess, shared_dash: DashboardProcess, page: Page
+) -> None:
+    error = "<b>card declined</b> " + "x" * 150 + "\nTraceback (most recent call last):\n  boom"
+    with connect(shared_broker.addr) as fila:
+        fila.create_queue("payments", on_failure=DLQ_HOOK)
+        fila.enqueue("payments", b"charge")
+        with ConsumeStream(fila.svc, "payments") as stream:
+            fila.nack("payments", stream.get(10).id, error)
+        request = admin_pb2.PeekMessagesRequest(queue="payments.dlq")
+        [dead] = fila.admin.PeekMessages(request, timeout=10).messages
+    assert dead.metadata.last_error == error
+
+    page.goto(shared_dash.url + "/dlq/payments.dlq")
+    row = page.locator(f'#messages tr.message[data-id="{dead.id}"]')
+    summary = row.locator("td.last-error summary")
+    expect(summary).to_have_text(error[:120] + "…")  # clipped: the first line, cut
+    full = row.locator("td.last-error pre")
+    expect(full).to_be_hidden()
+    summary.click()
+    expect(full).to_be_visible()
+    assert full.inner_text() == error  # all of it, as text
+    expect(row.locator("td.failed-at")).to_have_text(utc(dead.metadata.last_failed_at))
+    expect(row.locator("td.dead-lettered-at")).to_have_text(utc(dead.metadata.dead_lettered_at))
+    expect(page.locator("main b")).to_have_count(0)
+
+
+def test_scheduled_view_lists_delayed_and_leased_messages(
+    shared_broker: ServerProcess, shared_dash: DashboardProcess, page: Page
+) -> None:
+    with connect(shared_broker.addr) as fila:
+        fila.create_queue("reminders", visibility_timeout_ms=600_000)
+        fila.enqueue("reminders", b"now")
+        holder = ConsumeStream(fila.svc, "reminders", read_limit=1, prefetch=1)
+        held = holder.get(10)
+        later = [
+            service_pb2.EnqueueRequest(queue="reminders", payload=b"later", delay_ms=600_000)
+            for _ in range(21)  # one more than a page
+        ]
+        fila.svc.EnqueueBatch(service_pb2.EnqueueBatchRequest(messages=later), timeout=30)
+        fila.enqueue("reminders", b"ready")
+        peeked = fila.admin.PeekMessages(
+            admin_pb2.PeekMessagesRequest(queue="reminders", limit=100), timeout=10
+        )
+    states = {m.id: s for m, s in zip(peeked.messages, peeked.states, strict=True)}
+    first_delayed = next(i for i, s in states.items() if s.state == admin_pb2.DELAYED)
+    try:
+        page.goto(shared_dash.url + "/queues/reminders/scheduled")
+        # The counts add up: depth 22 = 1 ready + 21 delayed; in flight = 1 leased.
+        for counter, value in (("ready", 1), ("delayed", 21), ("leased", 1), ("depth", 22)):
+            expect(page.locator(f"#count-{counter}")).to_have_text(str(value))
+        delayed = page.locator("#delayed tr.message")
+        expect(delayed).to_have_count(20)
+        row = page.locator(f'#delayed tr[data-id="{first_delayed}"]')
+        expect(row.locator("td.ready-at")).to_have_text(utc(states[first_delayed].ready_at))
+        ten_minutes = re.compile(r"^in (9m[0-5]\ds|10m)$")
+        expect(row.locator("td.ready-in")).to_have_text(ten_minutes)
+        lease = page.locator(f'#leased tr[data-id="{held.id}"]')
+        expect(lease.locator("td.deadline")).to_have_text(utc(states[held.id].lease_deadline))
+        expect(lease.locator("td.expires-in")).to_have_text(ten_minutes)
+        expect(lease.locator("td.attempt")).to_have_text("1")
+        page.locator("#next-delayed_after").click()
+        expect(delayed).to_have_count(1)
+        expect(page.locator("#leased tr.message")).to_have_count(1)
+    finally:
+        holder.cancel()
+
+
+NEW_HOOK = """function on_enqueue(msg)
+  if msg.headers.boom then error("kaboom") end
+  return { fairness_key = "edited" }
+end
+"""
+
+
+def _queue_config(fila: Fila, queue: str) -> admin_pb2.QueueConfig:
+    return fila.admin.GetQueue(admin_pb2.GetQueueRequest(queue=queue), timeout=10).config
+
+
+def test_queue_settings_are_shown_and_edited_through_the_form(
+    shared_broker: ServerProcess, shared_dash: DashboardProcess, page: Page
+) -> None:
+    with connect(shared_broker.addr) as fila:
+        fila.create_queue("orders", on_enqueue=TENANT_HOOK, visibility_timeout_ms=20_000)
+        page.goto(shared_dash.url + "/queues/orders")
+        expect(page.locator("#queue-visibility-timeout")).to_have_text("20s")
+        expect(page.locator("#queue-max-attempts")).to_have_text("25")
+        assert page.locator("#queue-on-enqueue").inner_text() == TENANT_HOOK
+        expect(page.locator("#queue-on-failure")).to_contain_text("None")
+        page.locator("#edit-queue").click()
+        # Changed with the API while the form is open: saving the form keeps it.
+        fila.admin.UpdateQueue(
+            admin_pb2.UpdateQueueRequest(
+                queue="orders",
+                config=admin_pb2.QueueConfig(max_attempts=7),
+                update_mask=["max_attempts"],
+            ),
+            timeout=10,
+        )
+        page.locator("#edit-visibility_timeout_ms").fill("45s")
+        page.locator("#edit-on_enqueue_script").fill(NEW_HOOK)
+        page.locator("#edit-save").click()
+        expect(page.locator("#flash")).to_have_text(
+            "Updated “orders”: visibility timeout, on_enqueue script."
+        )
+        config = _queue_config(fila, "orders")
+        assert (config.visibility_timeout_ms, config.on_enqueue_script) == (45_000, NEW_HOOK)
+        assert (config.max_attempts, config.on_failure_script) == (7, "")
+        expect(page.locator("#queue-visibility-timeout")).to_have_text("45s")
+        expect(page.locator("#queue-max-attempts")).to_have_text("7")
+        assert page.locator("#queue-on-enqueue").inner_text() == NEW_HOOK
+        # The new hook is in force; its run-time error is counted and shown.
+        fila.enqueue("orders", b"x", {"boom": "1"})
+        expect(page.locator("#hook-errors")).to_have_text("1")
+        expect(page.locator("#last-hook-error")).to_contain_text("kaboom")
+
+        # A script that does not compile: the broker's words, and nothing changes.
+        bad = "function on_enqueue(msg) return {"
+        try:
+            fila.admin.UpdateQueue(
+                admin_pb2.UpdateQueueRequest(
+                    queue="orders",
+                    config=admin_pb2.QueueConfig(on_enqueue_script=bad),
+                    update_mask=["on_enqueue_script"],
+                ),
+                timeout=10,
+            )
+        except grpc.RpcError as err:
+            assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+            broker_message = err.details()
+        else:
+            raise AssertionError("the broker accepted a script that does not compile")
+        page.locator("#edit-queue").click()
+        page.locator("#edit-visibility_timeout_ms").fill("1m")
+        page.locator("#edit-on_enqueue_script").fill(bad)
+        page.locator("#edit-save").click()
+        expect(page.locator("#edit-error")).to_have_text(
+            f"The broker refused the change, and nothing was changed: {broker_message}"
+        )
+        expect(page.locator("#edit-on_enqueue_script")).to_have_value(bad)  # kept as typed
+        assert _queue_config(fila, "orders") == config
 
 
 # ----------------------------------------------------------------------------- config page
@@ -967,6 +1142,7 @@ def _broker_state(fila: Fila, key_id: str) -> tuple[Any, ...]:
         sorted((e.key, e.value) for e in config),
         stats(fila, "jobs").depth,
         stats(fila, "jobs.dlq").depth,
+        _queue_config(fila, "jobs"),
     )
 
 
@@ -1024,6 +1200,9 @@ def test_without_a_token_the_dashboard_is_read_only(
     ):
         page.goto(dash.url + path)
         expect(page.locator(button)).to_be_disabled()
+    page.goto(dash.url + "/queues/jobs")
+    expect(page.locator("#edit-queue")).to_have_text("Edit settings…")
+    expect(page.locator("a#edit-queue")).to_have_count(0)  # shown, not a link
 
     # What a local process does: read a valid CSRF token from a page, then post.
     page.goto(dash.url + "/apikeys")
@@ -1036,6 +1215,7 @@ def test_without_a_token_the_dashboard_is_read_only(
         "/config/delete": {"key": "keep.me"},
         "/dlq/jobs.dlq/redrive": {"confirmed": "yes", "count": "0"},
         "/dlq/jobs.dlq/purge": {"confirmed": "yes"},
+        "/queues/jobs/edit": {"visibility_timeout_ms": "1s", "on_enqueue_script": ""},
     }
     for path, form in writes.items():
         reply = page.request.post(
@@ -1049,6 +1229,7 @@ def test_without_a_token_the_dashboard_is_read_only(
         "/dlq/jobs.dlq/confirm/purge",
         "/dlq/jobs.dlq/confirm/redrive?count=0",
         f"/apikeys/{victim.key_id}/confirm-revoke",
+        "/queues/jobs/edit",
     ):
         reply = page.request.get(dash.url + path)
         assert reply.status == 403 and READ_ONLY_REFUSAL in reply.text(), path

@@ -4,8 +4,11 @@ signed tokens. Fast, and they pin down the edge cases the browser tests cannot r
 
 from __future__ import annotations
 
+import time
+
 import click
 import pytest
+from google.protobuf.timestamp_pb2 import Timestamp
 
 pytest.importorskip("starlette", reason="the dashboard extra is not installed")
 
@@ -22,8 +25,11 @@ from fila.dashboard.history import (
     QueueSample,
     key_shares,
 )
+from fila.dashboard.queue_form import Changes, changes, digests, shown_values
+from fila.dashboard.render import error_preview, until
 from fila.dashboard.views.apikeys import parse_acl
-from fila.wire import dlq_owner
+from fila.v1 import admin_pb2
+from fila.wire import UNLIMITED_ATTEMPTS, dlq_owner
 
 
 def sample(at: float, enq: int, deliv: int, keys: tuple[KeyStat, ...] = ()) -> QueueSample:
@@ -164,3 +170,50 @@ def test_acl_text_and_dlq_names() -> None:
     assert parse_acl("consume\n")[1].startswith("line 1:")
     assert dlq_owner("orders.dlq") == "orders" and dlq_owner(".dlq") is None
     assert dlq_owner("orders") is None
+
+
+def test_the_queue_form_sends_only_the_settings_that_changed() -> None:
+    script = "function on_enqueue(msg)\n  return {}\nend\n"
+    config = admin_pb2.QueueConfig(
+        on_enqueue_script=script,
+        visibility_timeout_ms=30_000,
+        max_attempts=UNLIMITED_ATTEMPTS,
+        retry_backoff="exponential",
+    )
+    values = shown_values(config)
+    assert (values["visibility_timeout_ms"], values["max_attempts"]) == ("30s", "unlimited")
+    shown = digests(values)
+    # What a browser sends back untouched: the textarea's lines end in CRLF.
+    untouched = {**values, "on_enqueue_script": script.replace("\n", "\r\n")}
+    assert changes(untouched, shown) == Changes()
+    edited = {**untouched, "visibility_timeout_ms": "1m30s", "on_failure_script": "x\r\ny"}
+    wanted = changes(edited, shown)
+    assert wanted == Changes(visibility_timeout_ms=90_000, on_failure="x\ny")
+    assert wanted.names() == ["visibility timeout", "on_failure script"]
+    # Emptied, a script is sent as "" (the hook is removed); a field not sent is kept.
+    assert changes({"on_enqueue_script": ""}, shown) == Changes(on_enqueue="")
+    assert changes({"max_attempts": " 7 "}, shown) == Changes(max_attempts=7)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        ("visibility_timeout_ms", "soon", "Visibility timeout:"),
+        ("max_attempts", "0", "Max attempts: 0 attempts"),
+        ("max_attempts", "many", 'Max attempts: "many" is not a number'),
+    ],
+)
+def test_the_queue_form_names_a_field_it_cannot_read(field: str, value: str, words: str) -> None:
+    with pytest.raises(ValueError, match=f"^{words}"):
+        changes({field: value}, {})
+
+
+def test_errors_are_previewed_by_their_first_line_and_times_until_are_counted_down() -> None:
+    assert error_preview("boom") == ("boom", False)
+    assert error_preview("boom\n  at line 3") == ("boom", True)
+    assert error_preview("x" * 200) == ("x" * 120 + "…", True)
+    soon = Timestamp()
+    soon.FromMilliseconds(int(time.time() * 1000) + 90_500)
+    assert until(soon) in ("in 1m31s", "in 1m30s")
+    soon.FromMilliseconds(int(time.time() * 1000) - 1)
+    assert until(soon) == "now" and until(Timestamp()) == "—"

@@ -32,7 +32,16 @@ from fila.dashboard.flash import Flasher
 from fila.dashboard.headers import LoopbackHostMiddleware, SecurityHeadersMiddleware
 from fila.dashboard.readonly import ReadOnlyMiddleware
 from fila.dashboard.sampler import Sampler
-from fila.dashboard.views import apikeys, config, dlq, login, overview, queue
+from fila.dashboard.views import (
+    apikeys,
+    config,
+    dlq,
+    login,
+    overview,
+    queue,
+    queue_edit,
+    scheduled,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +92,8 @@ def create_app(settings: Settings) -> ASGIApp:
     routes = [
         *overview.routes,
         *queue.routes,
+        *queue_edit.routes,
+        *scheduled.routes,
         *dlq.routes,
         *config.routes,
         *apikeys.routes,

@@ -22,7 +22,12 @@ import grpc
 import grpc.aio
 
 from fila.v1 import admin_pb2, admin_pb2_grpc
-from fila_sdk._channel import CHANNEL_OPTIONS, Settings, map_rpc_error
+from fila_sdk._channel import (
+    CHANNEL_OPTIONS,
+    Settings,
+    map_rpc_error,
+    update_queue_request,
+)
 
 _RECONNECT_OPTIONS: Final = (
     ("grpc.initial_reconnect_backoff_ms", 200),
@@ -119,12 +124,42 @@ class Broker:
         )
 
     async def peek(
-        self, queue: str, *, limit: int, after_id: str = "", fairness_key: str = ""
+        self,
+        queue: str,
+        *,
+        limit: int,
+        after_id: str = "",
+        fairness_key: str = "",
+        state: admin_pb2.MessageState.ValueType = admin_pb2.MESSAGE_STATE_UNSPECIFIED,
     ) -> admin_pb2.PeekMessagesResponse:
+        """A page of messages in id order (only those in `state` when it is set)."""
         request = admin_pb2.PeekMessagesRequest(
-            queue=queue, limit=limit, after_id=after_id, fairness_key=fairness_key
+            queue=queue, limit=limit, after_id=after_id, fairness_key=fairness_key, state=state
         )
         return await self._call("PeekMessages", self._admin.PeekMessages, request)
+
+    async def get_queue(self, queue: str) -> admin_pb2.GetQueueResponse:
+        return await self._call(
+            "GetQueue", self._admin.GetQueue, admin_pb2.GetQueueRequest(queue=queue)
+        )
+
+    async def update_queue(
+        self,
+        queue: str,
+        *,
+        on_enqueue: str | None = None,
+        on_failure: str | None = None,
+        visibility_timeout_ms: int | None = None,
+        max_attempts: int | None = None,
+        retry_backoff: str | None = None,
+    ) -> admin_pb2.QueueConfig:
+        """Changes only the settings given (the update mask names them; "" clears a
+        script), as the SDK's `update_queue`; returns the configuration in force after."""
+        request = update_queue_request(
+            queue, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        )
+        reply = await self._call("UpdateQueue", self._admin.UpdateQueue, request)
+        return reply.config
 
     async def purge(self, queue: str) -> int:
         reply = await self._call(

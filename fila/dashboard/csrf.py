@@ -37,9 +37,9 @@ CSRF_COOKIE: Final = "fila_dashboard_csrf"
 CSRF_FIELD: Final = "csrf_token"
 CSRF_HEADER: Final = b"x-csrf-token"
 SAFE_METHODS: Final = ("GET", "HEAD", "OPTIONS")
-# Forms here are a few short fields (the largest is a config value, at most 64 KiB
-# on the broker); anything bigger is not ours.
-MAX_BODY_BYTES: Final = 256 * 1024
+# The largest form here is a queue's settings: two Lua scripts of at most 256 KiB
+# each on the broker, URL-encoded (up to 3 bytes per byte); anything bigger is not ours.
+MAX_BODY_BYTES: Final = 2 * 1024 * 1024
 
 
 class CsrfTokens:

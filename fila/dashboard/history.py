@@ -85,6 +85,17 @@ class QueueSample:
     quantum: int = 0
     active_keys: int = 0
     stats_error: str = ""
+    # Of `depth`, the messages waiting out a delay (the rest are ready); `in_flight`
+    # are the leased ones.
+    delayed: int = 0
+    # Lua hook failures at run time since the broker started, and the latest one.
+    hook_errors: int = 0
+    last_hook_error: str = ""
+    last_hook_error_at_ms: int = 0
+
+    @property
+    def ready(self) -> int:
+        return max(0, self.depth - self.delayed)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +153,8 @@ class QueueHistory:
     """The samples of one queue for the last `retention` seconds (oldest first).
 
     Only the samples of the last `key_window` seconds keep their per-key and
-    per-throttle stats; older ones keep the queue's own numbers for the charts.
+    per-throttle stats and the last hook error's text; older ones keep
+    the queue's own numbers for the charts.
     """
 
     def __init__(self, retention: float, key_window: float = SHARE_WINDOW_S) -> None:
@@ -160,8 +172,10 @@ class QueueHistory:
         key_horizon = sample.at - self.key_window
         while self._bare < len(self.samples) and self.samples[self._bare].at < key_horizon:
             old = self.samples[self._bare]
-            if old.keys or old.throttles:
-                self.samples[self._bare] = replace(old, keys=(), throttles=())
+            if old.keys or old.throttles or old.last_hook_error:
+                self.samples[self._bare] = replace(
+                    old, keys=(), throttles=(), last_hook_error=""
+                )
             self._bare += 1
 
     @property

@@ -6,11 +6,12 @@ broker's superadmin (bootstrap) key: it could create itself a superadmin key, pu
 a queue or change the config, and CSRF tokens do not stop a local process (it reads
 a page and posts the token back). So without a token the dashboard only shows: it
 refuses every state-changing request (any method but GET, HEAD and OPTIONS: API
-keys, ACLs, config, redrive, purge, and whatever form is added later) with a 403
-page that says why and how to enable changes, disables the buttons that would be
-refused, and says so in a banner on every page. `--auth-token` (changes by those
-who hold it) or `--allow-writes-on-loopback` (changes by anyone local, as before)
-turns writes on (`fila.dashboard.app.Settings.read_only`).
+keys, ACLs, config, queue settings, redrive, purge, and whatever form is added
+later) with a 403 page that says why and how to enable changes, disables the
+buttons that would be refused, and says so in a banner on every page.
+`--auth-token` (changes by those who hold it) or `--allow-writes-on-loopback`
+(changes by anyone local, as before) turns writes on
+(`fila.dashboard.app.Settings.read_only`).
 """
 
 from __future__ import annotations

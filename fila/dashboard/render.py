@@ -8,6 +8,7 @@ config values and broker error text all arrive as plain strings and leave as tex
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +21,8 @@ from starlette.responses import Response
 from starlette.templating import Jinja2Templates
 
 from fila.dashboard.context import of
+from fila.durations import format_ms
+from fila.v1 import admin_pb2
 
 _ENV: Final = jinja2.Environment(
     loader=jinja2.FileSystemLoader(Path(__file__).parent / "templates"),
@@ -28,6 +31,7 @@ _ENV: Final = jinja2.Environment(
 )
 TEMPLATES: Final = Jinja2Templates(env=_ENV)
 PAYLOAD_PREVIEW_CHARS: Final = 200
+ERROR_PREVIEW_CHARS: Final = 120
 
 
 def timestamp(value: Timestamp | None) -> str:
@@ -62,6 +66,33 @@ def ago(at: float | None) -> str:
     return f"{seconds:.0f} s ago" if seconds < 120 else f"{seconds / 60:.0f} min ago"
 
 
+def until(value: Timestamp | None) -> str:
+    """How long until a protobuf Timestamp, by this machine's clock: "in 9m58s", or
+    "now" once it has passed (a due message the broker has not moved yet, a lease
+    about to be taken back)."""
+    if value is None or (value.seconds == 0 and value.nanos == 0):
+        return "—"
+    remaining_ms = value.ToMilliseconds() - int(time.time() * 1000)
+    if remaining_ms <= 0:
+        return "now"
+    return "in " + format_ms(math.ceil(remaining_ms / 1000) * 1000)
+
+
+def error_preview(text: str) -> tuple[str, bool]:
+    """(preview, clipped): an error's first line cut to a table cell's width; the whole
+    text is shown on request (a nack may carry a stack trace of up to 4 KiB)."""
+    first = text.strip().split("\n", 1)[0].rstrip()
+    preview = first if len(first) <= ERROR_PREVIEW_CHARS else first[:ERROR_PREVIEW_CHARS] + "…"
+    return preview, preview != text.strip()
+
+
+def state_name(state: admin_pb2.PeekedState | None) -> str:
+    """`ready`, `delayed`, `leased` ("" from a broker that does not report states)."""
+    if state is None or state.state == admin_pb2.MESSAGE_STATE_UNSPECIFIED:
+        return ""
+    return admin_pb2.MessageState.Name(state.state).lower()
+
+
 def payload_preview(payload: bytes) -> tuple[str, bool]:
     """(text, is_binary): UTF-8 text cut to a preview, else a hex dump of the start."""
     try:
@@ -74,9 +105,17 @@ def payload_preview(payload: bytes) -> tuple[str, bool]:
 
 
 TEMPLATES.env.filters.update(
-    timestamp=timestamp, millis=millis, rate=rate, percent=percent, ago=ago
+    timestamp=timestamp,
+    millis=millis,
+    rate=rate,
+    percent=percent,
+    ago=ago,
+    until=until,
+    duration=format_ms,
 )
-TEMPLATES.env.globals.update(payload_preview=payload_preview)
+TEMPLATES.env.globals.update(
+    payload_preview=payload_preview, error_preview=error_preview, state_name=state_name
+)
 
 
 def page(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> Response:

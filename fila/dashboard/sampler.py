@@ -203,4 +203,8 @@ def _from_stats(
         ),
         quantum=stats.quantum,
         active_keys=stats.active_fairness_keys,
+        delayed=stats.delayed,
+        hook_errors=stats.hook_errors_total,
+        last_hook_error=stats.last_hook_error,
+        last_hook_error_at_ms=stats.last_hook_error_at.ToMilliseconds(),
     )

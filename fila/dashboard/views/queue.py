@@ -1,5 +1,6 @@
 """Queue page: fairness keys with delivery shares against weight shares, throttles, charts,
-and a paged message browser over `PeekMessages` (which leases and changes nothing)."""
+hook errors, the queue's configuration from `GetQueue`, and a paged message browser over
+`PeekMessages` (which leases and changes nothing)."""
 
 from __future__ import annotations
 
@@ -22,9 +23,10 @@ from fila.dashboard.history import (
     QueueSample,
     Rates,
 )
+from fila.dashboard.queue_form import attempts_text
 from fila.dashboard.render import fragment, page
 from fila.dashboard.sampler import Sampler
-from fila.v1 import messages_pb2
+from fila.v1 import admin_pb2, messages_pb2
 from fila.wire import dlq_name, dlq_owner
 
 PAGE_SIZE: Final = 20
@@ -47,13 +49,32 @@ class QueueView:
 
 @dataclass(frozen=True, slots=True)
 class Browser:
-    """One page of `PeekMessages`, or the broker's reason for refusing it."""
+    """One page of `PeekMessages` (each message with its state, None from a broker that
+    does not report states), or the broker's reason for refusing it."""
 
-    messages: list[messages_pb2.Message]
+    rows: list[tuple[messages_pb2.Message, admin_pb2.PeekedState | None]]
     next_after: str
     key: str
     after: str
     error: str
+
+    @property
+    def failed(self) -> bool:
+        """Some message on the page has failed before (its last error is shown)."""
+        return any(m.metadata.last_error for m, _ in self.rows)
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """A queue's configuration from `GetQueue`, or the broker's reason for refusing it."""
+
+    config: admin_pb2.QueueConfig | None
+    is_dlq: bool
+    error: str
+
+    @property
+    def max_attempts(self) -> str:
+        return attempts_text(self.config.max_attempts) if self.config else ""
 
 
 def charts(history: QueueHistory, retention: float) -> tuple[Chart, Chart]:
@@ -116,16 +137,37 @@ async def known_view(request: Request, name: str) -> QueueView | None:
     return view
 
 
-async def browse(request: Request, queue: str) -> Browser:
+async def browse(
+    request: Request,
+    queue: str,
+    *,
+    state: admin_pb2.MessageState.ValueType = admin_pb2.MESSAGE_STATE_UNSPECIFIED,
+    after_param: str = "after",
+) -> Browser:
+    """The page of messages the query asks for (`key`, and `after_param` for paging);
+    only those in `state` when it is set."""
     key = request.query_params.get("key", "")
-    after = request.query_params.get("after", "")
+    after = request.query_params.get(after_param, "")
     try:
         reply = await of(request).broker.peek(
-            queue, limit=PAGE_SIZE, after_id=after, fairness_key=key
+            queue, limit=PAGE_SIZE, after_id=after, fairness_key=key, state=state
         )
     except BrokerError as err:
         return Browser([], "", key, after, err.message)
-    return Browser(list(reply.messages), reply.next_after_id, key, after, "")
+    states: list[admin_pb2.PeekedState | None] = list(reply.states)
+    if len(states) != len(reply.messages):
+        states = [None] * len(reply.messages)
+    return Browser(
+        list(zip(reply.messages, states, strict=True)), reply.next_after_id, key, after, ""
+    )
+
+
+async def settings(request: Request, queue: str) -> Settings:
+    try:
+        reply = await of(request).broker.get_queue(queue)
+    except BrokerError as err:
+        return Settings(None, dlq_owner(queue) is not None, err.message)
+    return Settings(reply.config, not reply.dlq, "")
 
 
 def not_found(request: Request, name: str) -> Response:
@@ -144,7 +186,12 @@ async def queue_page(request: Request) -> Response:
     view = await known_view(request, name)
     if view is None:
         return not_found(request, name)
-    return page(request, "queue.html", {"q": view, "browser": await browse(request, name)})
+    context = {
+        "q": view,
+        "settings": await settings(request, name),
+        "browser": await browse(request, name),
+    }
+    return page(request, "queue.html", context)
 
 
 async def queue_live(request: Request) -> Response:
