@@ -30,9 +30,9 @@ def _depth(core: CoreBroker, queue: str) -> tuple[int, int]:
     return stats.depth, stats.in_flight
 
 
-def _attempts(core: CoreBroker, queue: str) -> dict[str, int]:
+async def _attempts(core: CoreBroker, queue: str) -> dict[str, int]:
     """Every message of `queue` (ready, delayed or leased) and its attempt count."""
-    page, _ = core.broker.peek(queue, 1000, "", "")
+    page, _ = await core.broker.peek(queue, 1000, "", "")
     return {m.id: m.metadata.attempt_count for m in page}
 
 
@@ -62,7 +62,7 @@ def test_an_expired_lease_counts_an_attempt_but_does_not_run_on_failure() -> Non
         await core.settle()
         assert core.take(consumer) == [message_id]
         await core.advance(1001)
-        assert _attempts(core, "q") == {message_id: 1}
+        assert await _attempts(core, "q") == {message_id: 1}
         assert _depth(core, "q.dlq") == (0, 0)
         assert core.take(consumer) == [message_id], "ready again in its own queue"
 
@@ -85,7 +85,7 @@ def test_a_stream_consume_stream_that_ends_returns_what_it_was_sent_without_on_f
         assert core.broker.sending(consumer, 2) is not None  # two of three leave
         core.broker.detach_consumer(consumer)
         await core.settle()
-        assert _attempts(core, "q") == {first: 1, second: 1, unsent: 0}
+        assert await _attempts(core, "q") == {first: 1, second: 1, unsent: 0}
         assert _depth(core, "q") == (3, 0)
         assert _depth(core, "q.dlq") == (0, 0)
         assert core.broker.stats("q").counters.expired == 2  # counted as expiries
@@ -112,7 +112,7 @@ def test_extend_lease_may_shorten_a_deadline_and_the_message_comes_back_then() -
         assert core.take(consumer) == []
         await core.advance(2)
         assert core.take(consumer) == [message_id], "back at the shortened deadline"
-        assert _attempts(core, "q") == {message_id: 1}
+        assert await _attempts(core, "q") == {message_id: 1}
 
     run(scenario)
 
@@ -130,7 +130,7 @@ def test_an_expiry_returns_every_lease_of_its_millisecond_sent_or_not() -> None:
         assert core.take(busy) == [sent]
         core.broker.detach_consumer(busy)
         await core.advance(1001)
-        assert _attempts(core, "q") == {unsent: 0, sent: 1}
+        assert await _attempts(core, "q") == {unsent: 0, sent: 1}
         assert core.broker.stats("q").counters.expired == 1
 
     run(scenario)
@@ -226,10 +226,10 @@ def test_on_failure_sees_the_attempts_including_this_failure() -> None:
         await core.settle()
         core.take(consumer)
         await _nack(core, "q", message_id)
-        assert _attempts(core, "q") == {message_id: 1}, "retried on the first failure"
+        assert await _attempts(core, "q") == {message_id: 1}, "retried on the first failure"
         assert core.take(consumer) == [message_id]
         await _nack(core, "q", message_id)
-        assert _attempts(core, "q.dlq") == {message_id: 2}, "dead-lettered on the second"
+        assert await _attempts(core, "q.dlq") == {message_id: 2}, "dead-lettered on the second"
 
     run(scenario)
 
@@ -273,11 +273,11 @@ def test_an_extended_lease_outlives_its_old_deadline_and_leaves_its_neighbours_a
         deadline, committed = core.broker.extend_lease("q", kept, 5000)
         await committed
         await core.advance(1001)
-        assert _attempts(core, "q") == {kept: 0, other: 1}
+        assert await _attempts(core, "q") == {kept: 0, other: 1}
         await core.advance(deadline - core.clock.now_ms() - 1)
-        assert _attempts(core, "q")[kept] == 0
+        assert (await _attempts(core, "q"))[kept] == 0
         await core.advance(1)
-        assert _attempts(core, "q")[kept] == 1
+        assert (await _attempts(core, "q"))[kept] == 1
 
     run(scenario)
 
@@ -324,7 +324,7 @@ def test_a_batch_nack_applies_each_item_on_its_own_and_counts_it() -> None:
             "QueueNotFound",
             "NoneType",
         ]
-        assert _attempts(core, "q") == {message_id: 1}
+        assert await _attempts(core, "q") == {message_id: 1}
         assert core.broker.stats("q").counters.nacked == 1
 
     run(scenario)
@@ -361,13 +361,13 @@ def test_a_nack_in_a_dlq_retries_at_once_in_the_dlq() -> None:
         await core.settle()
         core.take(consumer)
         await _nack(core, "q", message_id)
-        assert _attempts(core, "q.dlq") == {message_id: 1}
+        assert await _attempts(core, "q.dlq") == {message_id: 1}
         dead = core.broker.attach_consumer("q.dlq")
         await core.settle()
         assert core.take(dead) == [message_id]
         await _nack(core, "q.dlq", message_id)
         assert core.take(dead) == [message_id], "ready again at once, with no delay"
-        assert _attempts(core, "q.dlq") == {message_id: 2}
+        assert await _attempts(core, "q.dlq") == {message_id: 2}
         assert _depth(core, "q") == (0, 0)
 
     run(scenario)
@@ -401,7 +401,7 @@ def test_max_queue_depth_never_refuses_dead_lettering() -> None:
             core.broker.detach_consumer(consumer)
             failed += ids
         assert _depth(core, "q.dlq") == (4, 0)
-        assert set(_attempts(core, "q.dlq")) == set(failed)
+        assert set(await _attempts(core, "q.dlq")) == set(failed)
 
     run(scenario)
 
@@ -425,7 +425,7 @@ def test_max_queue_depth_never_refuses_redrive() -> None:
         await core.settle()
         assert moved == 2
         assert _depth(core, "q") == (4, 0)
-        assert set(_attempts(core, "q")) == set(full + dead)
+        assert set(await _attempts(core, "q")) == set(full + dead)
 
     run(scenario)
 
@@ -458,10 +458,10 @@ def test_a_peek_limit_over_1000_is_treated_as_1000() -> None:
         core = make_core()
         await core.broker.create_queue("q", "", "", 0)
         ids = await core.enqueue("q", 1001)
-        page, after = core.broker.peek("q", 100_000, "", "")
+        page, after = await core.broker.peek("q", 100_000, "", "")
         assert [m.id for m in page] == ids[:1000]
         assert after == ids[999]
-        rest, end = core.broker.peek("q", 100_000, after, "")
+        rest, end = await core.broker.peek("q", 100_000, after, "")
         assert ([m.id for m in rest], end) == (ids[1000:], "")
 
     run(scenario)
@@ -485,7 +485,7 @@ def test_a_peek_page_stops_at_about_3_mib() -> None:
         after = ""
         pages = 0
         while True:
-            page, after = core.broker.peek("q", 1000, after, "")
+            page, after = await core.broker.peek("q", 1000, after, "")
             pages += 1
             # 4 x 700 KiB fit under 3 MiB, a fifth would not: "about 3 MiB", both ways
             assert len(page) == min(4, 10 - len(seen))

@@ -260,7 +260,7 @@ def test_a_queue_whose_dlq_record_was_lost_gets_its_dlq_back_with_its_messages(
         stats = core.broker.stats("orders.dlq")
         assert (stats.depth, stats.in_flight) == (1, 1)
         assert core.broker.stats("orders").depth == 2
-        page, _ = core.broker.peek("orders.dlq", 0, "", "")
+        page, _ = await core.broker.peek("orders.dlq", 0, "", "")
         assert sorted(m.id for m in page) == sorted([ready, leased])
         results, committed = core.broker.ack([("orders.dlq", leased)])
         await committed

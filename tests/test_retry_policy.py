@@ -195,22 +195,23 @@ def test_peek_states_and_counts_add_up_to_depth() -> None:
         assert core.take(consumer) == [ready]
         now = core.clock.now_ms()
         core.committer.flush_now()
-        page, states, after = core.broker.peek_states("q", 0, "", "")
+        page, states, after = await core.broker.peek_states("q", 0, "", "")
         assert [m.id for m in page] == [ready, leased, delayed] and after == ""
         assert [(s.state, s.ready_at_ms, s.lease_deadline_ms) for s in states] == [
             (MessageState.LEASED, 0, now + 1000),
             (MessageState.READY, 0, 0),
             (MessageState.DELAYED, now + 600_000, 0),
         ]
-        only = core.broker.peek_states("q", 0, "", "", MessageState.DELAYED)
+        only = await core.broker.peek_states("q", 0, "", "", MessageState.DELAYED)
         assert [m.id for m in only[0]] == [delayed]
-        assert [m.id for m in core.broker.peek_states("q", 0, "", "", 3)[0]] == [ready]
+        leased_only = await core.broker.peek_states("q", 0, "", "", 3)
+        assert [m.id for m in leased_only[0]] == [ready]
         stats = core.broker.stats("q")
         ready_count = sum(k.pending for k in stats.per_key)
         assert (stats.depth, stats.delayed, stats.in_flight, ready_count) == (2, 1, 1, 1)
         assert stats.depth == ready_count + stats.delayed
         with pytest.raises(InvalidArgument, match="not a message state"):
-            core.broker.peek_states("q", 0, "", "", 7)
+            await core.broker.peek_states("q", 0, "", "", 7)
 
     run(scenario())
 
@@ -260,7 +261,7 @@ def test_an_update_applies_to_messages_enqueued_after_it() -> None:
         _, committed = core.broker.update_queue("q", {"on_enqueue_script": keyed % "after"})
         (second,) = await core.enqueue("q")
         await committed
-        page, _ = core.broker.peek("q", 0, "", "")
+        page, _ = await core.broker.peek("q", 0, "", "")
         assert [(m.id, m.metadata.fairness_key) for m in page] == [
             (first, "before"),
             (second, "after"),

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from fila.core import retry, stored
+from fila.core.drr import FairnessKey
 from fila.core.errors import (
     ConfigKeyNotFound,
     InvalidArgument,
@@ -66,6 +67,10 @@ UPDATABLE = (
 MAX_ANSWER_BYTES = 3 * 1024 * 1024
 DEFAULT_PEEK = 20
 MAX_PEEK = 1000
+# Delayed or leased messages of other fairness keys one filtered peek page may pass over.
+PEEK_SCAN = 10_000
+# Fairness keys a peek looks at per loop turn for the first ready messages of its page.
+PEEK_KEYS_PER_TURN = 500
 # A redrive chunk (one turn of the event loop) ends at whichever comes first.
 REDRIVE_CHUNK_MESSAGES = 1000
 REDRIVE_CHUNK_BYTES = 4 * 1024 * 1024
@@ -92,6 +97,31 @@ class PeekedState:
 
 def _ref_key(ref: MessageRef) -> bytes:
     return ref.key
+
+
+class _ScanEnd(MessageRef):
+    """Where a peek filtered by fairness key stopped passing over delayed or leased
+    messages of other keys (`PEEK_SCAN` of them): the page ends there, short or even
+    empty, with this message's id as `next_after_id`, so no page costs more than that."""
+
+    __slots__ = ()
+
+
+def _of_key(refs: Iterator[MessageRef], fairness_key: str) -> Iterator[MessageRef]:
+    """`refs` of `fairness_key` (all of them when it is empty), then a `_ScanEnd` if
+    `PEEK_SCAN` others were passed over first."""
+    if not fairness_key:
+        yield from refs
+        return
+    passed = 0
+    for ref in refs:
+        if ref.fairness_key == fairness_key:
+            yield ref
+            continue
+        passed += 1
+        if passed >= PEEK_SCAN:
+            yield _ScanEnd(ref.key, "", 0, (), 0)
+            return
 
 
 def _visibility_timeout(wire_ms: int) -> int:
@@ -474,21 +504,27 @@ class Administration:
         source.counters.redriven += len(moved_refs)
         return len(planned), len(moved_refs)
 
-    def peek(
+    async def peek(
         self, queue_name: str, limit: int, after_id: str, fairness_key: str
     ) -> tuple[list[messages_pb2.Message], str]:
         """`peek_states` without the states: the page and the next `after_id`."""
-        page, _, next_after = self.peek_states(queue_name, limit, after_id, fairness_key)
+        page, _, next_after = await self.peek_states(queue_name, limit, after_id, fairness_key)
         return page, next_after
 
-    def peek_states(
+    async def peek_states(
         self, queue_name: str, limit: int, after_id: str, fairness_key: str, state: int = 0
     ) -> tuple[list[messages_pb2.Message], list[PeekedState], str]:
         """Ready, delayed and leased messages in id order (only those in `state`, a
         `MessageState` number, when it is set), changing nothing.
 
         Returns the page, each message's state, and the id to pass as `after_id` for
-        the next page (empty at the end)."""
+        the next page (empty at the end).
+
+        No turn of the loop does more than a bounded amount of work, whatever the size
+        of the queue: delayed and leased messages page from their kept key order
+        (`fila.core.key_order`), and the ready messages of a queue with many fairness
+        keys are found over several turns (`_first_ready_keys`). A message that changes
+        state while its page is put together may be missing from that page."""
         queue = self.state.queue(queue_name)
         if state not in (0, *MessageState):
             raise InvalidArgument(f"state {state} is not a message state (READY, DELAYED, LEASED)")
@@ -499,9 +535,18 @@ class Administration:
             if raw is None:
                 raise InvalidArgument(f'after_id "{clip(after_id)}" is not a message id')
             after = keys.MESSAGE + raw
-        candidates = self._peek_candidates(queue, after, fairness_key, state)
+        ready_keys: list[FairnessKey] = []
+        if state in (0, MessageState.READY):
+            ready_keys = await self._first_ready_keys(queue, after, fairness_key, limit + 1)
+            if queue.deleted:
+                raise QueueNotFound(queue.name)
+        candidates = self._peek_candidates(queue, after, fairness_key, state, ready_keys)
         refs = list(itertools.islice(candidates, limit + 1))
         more = len(refs) > limit
+        # A filtered scan that gave up: the page ends there, and the next starts after it.
+        resume = next((ref.id for ref in refs if isinstance(ref, _ScanEnd)), "")
+        if resume:
+            refs = list(itertools.takewhile(lambda ref: not isinstance(ref, _ScanEnd), refs))
         page: list[messages_pb2.Message] = []
         states: list[PeekedState] = []
         size = 0
@@ -511,6 +556,7 @@ class Administration:
                 continue
             if page and size + len(record) > MAX_ANSWER_BYTES:
                 more = True
+                resume = ""
                 break
             size += len(record)
             try:
@@ -532,7 +578,7 @@ class Administration:
             else:
                 states.append(PeekedState(MessageState.READY, 0, 0))
             page.append(message)
-        next_after = page[-1].id if more and page else ""
+        next_after = resume or (page[-1].id if more and page else "")
         return page, states, next_after
 
     def _due_ms(self, ref: MessageRef) -> int:
@@ -544,31 +590,51 @@ class Administration:
         except stored.BadRecord:
             return 0
 
+    async def _first_ready_keys(
+        self, queue: Queue, after: bytes, fairness_key: str, count: int
+    ) -> list[FairnessKey]:
+        """The fairness keys whose ready messages above `after` can be among the first
+        `count`: those with the `count` smallest first messages above `after` (a message
+        of any other key has at least `count` smaller ones before it), or `fairness_key`
+        alone. A queue can have millions of keys, so they are looked at in slices of
+        `PEEK_KEYS_PER_TURN`, one loop turn each."""
+        drr_keys = queue.drr.keys
+        if fairness_key:
+            key = drr_keys.get(fairness_key)
+            return [] if key is None else [key]
+        keys = list(drr_keys.values())
+        if len(keys) <= count:
+            return keys
+        best: list[tuple[bytes, int, FairnessKey]] = []
+        for start in range(0, len(keys), PEEK_KEYS_PER_TURN):
+            if start:
+                await asyncio.sleep(0)
+            firsts = [
+                (first, index, key)
+                for index, key in enumerate(keys[start : start + PEEK_KEYS_PER_TURN], start)
+                if (first := key.first_above(after)) is not None
+            ]
+            best = heapq.nsmallest(count, [*best, *firsts])
+        return [key for _, _, key in best if queue.drr.keys.get(key.name) is key]
+
     def _peek_candidates(
-        self, queue: Queue, after: bytes, fairness_key: str, state: int
+        self,
+        queue: Queue,
+        after: bytes,
+        fairness_key: str,
+        state: int,
+        ready_keys: list[FairnessKey],
     ) -> Iterator[MessageRef]:
-        """Every visible message of `queue` (in `state`, when set) with a key above
-        `after`, in key (id) order."""
-
-        def wanted(refs: Iterable[MessageRef]) -> Iterator[MessageRef]:
-            for ref in refs:
-                if ref.key > after and (not fairness_key or ref.fairness_key == fairness_key):
-                    yield ref
-
-        sources: list[Iterable[MessageRef]] = []
-        if state in (0, MessageState.READY):
-            drr_keys = queue.drr.keys
-            ready_keys = (
-                ([drr_keys[fairness_key]] if fairness_key in drr_keys else [])
-                if fairness_key
-                else list(drr_keys.values())
-            )
-            for key in ready_keys:
-                sources.append(key.iter_from(after))
+        """The visible messages of `queue` (in `state`, when set) with a key above
+        `after`, in key (id) order: the ready ones of `ready_keys`, and the delayed and
+        leased ones (of `fairness_key`, when set, with a `_ScanEnd` where a scan gave
+        up after `PEEK_SCAN` others)."""
+        sources: list[Iterable[MessageRef]] = [key.iter_from(after) for key in ready_keys]
         if state in (0, MessageState.DELAYED):
-            sources.append(sorted(wanted(queue.delayed.values()), key=_ref_key))
+            sources.append(_of_key(queue.delayed.iter_from(after), fairness_key))
         if state in (0, MessageState.LEASED):
-            sources.append(sorted(wanted(lease.ref for lease in queue.leases), key=_ref_key))
+            leased = (lease.ref for lease in queue.leases.iter_from(after))
+            sources.append(_of_key(leased, fairness_key))
         return heapq.merge(*sources, key=_ref_key)
 
     def purge(self, queue_name: str) -> tuple[int, asyncio.Future[None]]:

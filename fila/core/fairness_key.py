@@ -122,6 +122,20 @@ class FairnessKey:
     def first_key(self) -> bytes:
         return _MESSAGE + self._raw(self._head)
 
+    def first_above(self, after: bytes) -> bytes | None:
+        """The storage key of the first message above `after` (b"": the first), or None
+        if there is none; O(1) unless `after` falls among the messages."""
+        count, head = len(self._throttle), self._head
+        if count == head:
+            return None
+        raw = after[1:]
+        ids = self._ids
+        if not after or ids[head * _ID : (head + 1) * _ID] > raw:
+            return _MESSAGE + self._raw(head)
+        if ids[(count - 1) * _ID :] <= raw:
+            return None
+        return _MESSAGE + self._raw(self._bisect(raw, right=True))
+
     def iter_from(self, after: bytes = b"") -> Iterator[MessageRef]:
         """Refs of the messages with a storage key above `after`, in order (a snapshot
         of positions: do not change the queue while iterating)."""

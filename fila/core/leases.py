@@ -22,13 +22,22 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Iterator
 
 from fila.core.consumers import Consumer, ConsumerRing
+from fila.core.key_order import KeyOrder
 from fila.core.records import Lease, MessageRef
 from fila.storage import keys
 from fila.storage.committer import Committer
 
 
 class LeaseTable:
-    __slots__ = ("_by_key", "_committer", "_expiring", "_on_room", "_ring", "_schedule_expiry")
+    __slots__ = (
+        "_by_key",
+        "_committer",
+        "_expiring",
+        "_on_room",
+        "_order",
+        "_ring",
+        "_schedule_expiry",
+    )
 
     def __init__(
         self,
@@ -38,6 +47,7 @@ class LeaseTable:
         on_room: Callable[[], None],
     ) -> None:
         self._by_key: dict[bytes, Lease] = {}
+        self._order = KeyOrder(self._by_key)  # for peek: kept only while there are many
         # deadline ms -> the active leases due then (by message key)
         self._expiring: dict[int, dict[bytes, Lease]] = {}
         self._ring = ring
@@ -54,11 +64,19 @@ class LeaseTable:
     def get(self, key: bytes) -> Lease | None:
         return self._by_key.get(key)
 
+    def iter_from(self, after: bytes) -> Iterator[Lease]:
+        """The leases of messages with a key above `after`, in key (id) order (peek; do
+        not change the table while iterating)."""
+        by_key = self._by_key
+        for key in self._order.after(after):
+            yield by_key[key]
+
     def grant(
         self, ref: MessageRef, consumer: Consumer, now_ms: int, timeout_ms: int, size: int
     ) -> Lease:
         lease = Lease(ref, now_ms + timeout_ms, now_ms, consumer, size)
         self._by_key[ref.key] = lease
+        self._order.added(ref.key)
         consumer.unsettled += 1
         self._add_expiry(lease)
         return lease
@@ -68,6 +86,7 @@ class LeaseTable:
         lease = Lease(ref, deadline_ms, leased_at_ms, None, 0)
         lease.sent = True
         self._by_key[ref.key] = lease
+        self._order.added(ref.key)
         self._add_expiry(lease)
         return lease
 
@@ -129,6 +148,7 @@ class LeaseTable:
         lease.active = False
         key = lease.ref.key
         del self._by_key[key]
+        self._order.removed(key)
         self._drop_expiry(lease)
         if lease.sent:
             self._committer.delete(keys.lease_key(key))

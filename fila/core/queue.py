@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, ValuesView
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from fila.core.consumers import ConsumerRing
 from fila.core.drr import Drr, FairnessKey
 from fila.core.errors import InvalidArgument, clip
+from fila.core.key_order import KeyOrder
 from fila.core.leases import LeaseTable
 from fila.core.records import MessageRef
 from fila.core.stats import MAX_TRACKED_KEYS, QueueCounters
@@ -90,6 +91,51 @@ class QueueRecord:
         return cls(**values)  # type: ignore[arg-type]
 
 
+class DelayedMessages:
+    """A queue's delayed messages (stored, ready later) by storage key, and their key
+    order for peek (`KeyOrder`). Changed only through these methods, so the order
+    cannot drift from the map."""
+
+    __slots__ = ("_order", "_refs")
+
+    def __init__(self) -> None:
+        self._refs: dict[bytes, MessageRef] = {}
+        self._order = KeyOrder(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __contains__(self, key: bytes) -> bool:
+        return key in self._refs
+
+    def get(self, key: bytes) -> MessageRef | None:
+        return self._refs.get(key)
+
+    def __setitem__(self, key: bytes, ref: MessageRef) -> None:
+        new = key not in self._refs
+        self._refs[key] = ref
+        if new:
+            self._order.added(key)
+
+    def __delitem__(self, key: bytes) -> None:
+        del self._refs[key]
+        self._order.removed(key)
+
+    def values(self) -> ValuesView[MessageRef]:
+        return self._refs.values()
+
+    def clear(self) -> None:
+        self._refs.clear()
+        self._order.cleared()
+
+    def iter_from(self, after: bytes) -> Iterator[MessageRef]:
+        """The delayed messages with a key above `after`, in key (id) order (do not
+        change them while iterating)."""
+        refs = self._refs
+        for key in self._order.after(after):
+            yield refs[key]
+
+
 class Queue:
     __slots__ = (
         "consumers",
@@ -126,7 +172,7 @@ class Queue:
             lambda deadline_ms: schedule_expiry(self, deadline_ms),
             lambda: mark_dirty(self),
         )
-        self.delayed: dict[bytes, MessageRef] = {}
+        self.delayed = DelayedMessages()
         self.limbo: dict[bytes, MessageRef] = {}
         self.deleted = False
         self.throttle_wake_ms: int | None = None

@@ -187,7 +187,7 @@ class FilaAdmin:
     async def peek_messages(
         self, request: admin_pb2.PeekMessagesRequest, context: Context
     ) -> admin_pb2.PeekMessagesResponse:
-        messages, states, next_after = self._broker.peek_states(
+        messages, states, next_after = await self._broker.peek_states(
             request.queue, request.limit, request.after_id, request.fairness_key, request.state
         )
         response = admin_pb2.PeekMessagesResponse(messages=messages, next_after_id=next_after)
