@@ -166,3 +166,19 @@ async def test_buffer_mode_answers_after_the_wal_write_without_a_sync() -> None:
         await asyncio.wait_for(committer.flushed(), DEADLINE_S)
         assert storage.writes == 1
         assert storage.writes_at_sync == []
+
+
+@in_loop
+async def test_flush_now_writes_and_fsyncs_what_is_pending_and_answers_its_writers() -> None:
+    """Recovery and shutdown commit synchronously: everything pending is written and
+    fsynced before `flush_now` returns, and the writers waiting on it are answered."""
+    storage = MemoryStorage()
+    committer = Committer(storage, "sync", lambda exc: None)
+    try:
+        committer.put(b"k", b"v")
+        done = committer.flushed()
+        committer.flush_now()
+        assert (storage.get(b"k"), storage.sync_count) == (b"v", 1)
+        await asyncio.wait_for(done, DEADLINE_S)
+    finally:
+        committer.close()
