@@ -373,6 +373,60 @@ def test_a_nack_in_a_dlq_retries_at_once_in_the_dlq() -> None:
     run(scenario)
 
 
+def test_redrive_moves_count_oldest_first_resets_attempts_and_reruns_on_enqueue() -> None:
+    """semantics.md, Failures and dead letters: Redrive moves ready DLQ messages back,
+    oldest first, `count` of them (0: all), with `attempt_count` 0, through the source
+    queue's `on_enqueue` again."""
+
+    async def scenario() -> None:
+        core = make_core()
+        keyed = 'function on_enqueue(m) return { fairness_key = m.headers.k or "none" } end'
+        await core.broker.admin.create_queue("q", keyed, DEAD_LETTER, 0)
+        ids = await core.enqueue("q", 3, headers={"k": "tenant"})
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=3)
+        await core.settle()
+        assert core.take(consumer) == ids
+        await _nack(core, "q", *ids)
+        core.broker.delivery.detach_consumer(consumer)
+        assert await core.broker.admin.redrive("q.dlq", 2) == 2
+        await core.settle()
+        page, _ = core.broker.admin.peek("q", 10, "", "")
+        assert [(m.id, m.metadata.attempt_count) for m in page] == [(ids[0], 0), (ids[1], 0)]
+        assert {m.metadata.fairness_key for m in page} == {"tenant"}
+        assert {m.metadata.queue_id for m in page} == {"q"}
+        assert _attempts(core, "q.dlq") == {ids[2]: 1}
+        assert core.broker.admin.stats("q").counters.redriven == 2
+
+    run(scenario)
+
+
+def test_peek_filters_by_key_pages_across_states_and_marks_leases() -> None:
+    """semantics.md: PeekMessages lists ready, delayed and leased messages in id order;
+    leased ones carry `leased_at`; `fairness_key` filters; pages go on after_id."""
+
+    async def scenario() -> None:
+        core = make_core()
+        keyed = "function on_enqueue(m) return { fairness_key = m.headers.k } end"
+        await core.broker.admin.create_queue("q", keyed, "", 0)
+        leased = (await core.enqueue("q", headers={"k": "a"}))[0]
+        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        await core.settle()
+        assert core.take(consumer) == [leased]
+        delayed = (await core.enqueue("q", headers={"k": "a"}, delay_ms=60_000))[0]
+        other = (await core.enqueue("q", headers={"k": "b"}))[0]
+        ready = (await core.enqueue("q", headers={"k": "a"}))[0]
+        first, after = core.broker.admin.peek("q", 2, "", "a")
+        assert [m.id for m in first] == [leased, delayed] and after == delayed
+        assert first[0].timestamps.HasField("leased_at")
+        assert not first[1].timestamps.HasField("leased_at")
+        rest, end = core.broker.admin.peek("q", 2, after, "a")
+        assert ([m.id for m in rest], end) == ([ready], "")
+        everything, _ = core.broker.admin.peek("q", 10, "", "")
+        assert [m.id for m in everything] == [leased, delayed, other, ready]
+
+    run(scenario)
+
+
 def _bounded(depth: int) -> CoreBroker:
     return make_core(config=parse_config(f"[server]\nmax_queue_depth = {depth}\n", "test"))
 
