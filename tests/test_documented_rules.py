@@ -11,10 +11,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable
 
+import pytest
 from support.core import CoreBroker, make_core, restarted
 
 from fila.config import parse_config
-from fila.core.errors import ResourceExhausted
+from fila.core.errors import MessageNotFound, ResourceExhausted
+from fila.core.ids import parse_id
+from fila.storage import keys
 from fila.v1 import service_pb2
 
 DEAD_LETTER = 'function on_failure(m) return { action = "dlq" } end'
@@ -89,6 +92,40 @@ def test_a_stream_consume_stream_that_ends_returns_what_it_was_sent_without_on_f
         assert _depth(core, "q") == (3, 0)
         assert _depth(core, "q.dlq") == (0, 0)
         assert core.broker.stats("q").counters.expired == 2  # counted as expiries
+
+    run(scenario)
+
+
+def test_stream_consume_settles_what_it_was_sent_and_refuses_anything_else() -> None:
+    """Batch paths, StreamConsume: acks and nacks on the stream apply in order (the acks,
+    then the nacks) and reach storage with the next commit; an id the stream does not
+    hold (never sent on it, leased on another stream, already settled) is NOT_FOUND."""
+
+    async def scenario() -> None:
+        core = make_core()
+        await core.broker.admin.create_queue("q", "", "", 0, retry_backoff="none")
+        acked, nacked, other, unsent = await core.enqueue("q", 4)
+        stream = core.broker.delivery.attach_consumer(
+            "q", prefetch=2, max_batch=2, owns_settlement=True
+        )
+        await core.settle()
+        assert core.take(stream) == [acked, nacked]
+        elsewhere = core.broker.delivery.attach_consumer("q", prefetch=1)
+        await core.settle()
+        assert core.take(elsewhere) == [other]
+        core.broker.settle_on_stream(stream.id, "q", [acked], [(nacked, "bad")])
+        await core.settle()
+        assert core.storage.get(keys.MESSAGE + parse_id(acked)) is None  # acked: gone
+        assert _attempts(core, "q")[nacked] == 1
+        counters = core.broker.admin.stats("q").counters
+        assert (counters.acked, counters.nacked) == (1, 1)
+        for foreign in (other, acked, "not-an-id"):
+            with pytest.raises(MessageNotFound):
+                core.broker.settle_on_stream(stream.id, "q", [foreign], [])
+            with pytest.raises(MessageNotFound):
+                core.broker.settle_on_stream(stream.id, "q", [], [(foreign, "x")])
+        assert _attempts(core, "q")[other] == 0, "another stream's lease is untouched"
+        assert unsent in _attempts(core, "q")
 
     run(scenario)
 
