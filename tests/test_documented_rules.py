@@ -103,21 +103,21 @@ def test_stream_consume_settles_what_it_was_sent_and_refuses_anything_else() -> 
 
     async def scenario() -> None:
         core = make_core()
-        await core.broker.admin.create_queue("q", "", "", 0, retry_backoff="none")
+        await core.broker.create_queue("q", "", "", 0, retry_backoff="none")
         acked, nacked, other, unsent = await core.enqueue("q", 4)
-        stream = core.broker.delivery.attach_consumer(
+        stream = core.broker.attach_consumer(
             "q", prefetch=2, max_batch=2, owns_settlement=True
         )
         await core.settle()
         assert core.take(stream) == [acked, nacked]
-        elsewhere = core.broker.delivery.attach_consumer("q", prefetch=1)
+        elsewhere = core.broker.attach_consumer("q", prefetch=1)
         await core.settle()
         assert core.take(elsewhere) == [other]
         core.broker.settle_on_stream(stream.id, "q", [acked], [(nacked, "bad")])
         await core.settle()
         assert core.storage.get(keys.MESSAGE + parse_id(acked)) is None  # acked: gone
         assert _attempts(core, "q")[nacked] == 1
-        counters = core.broker.admin.stats("q").counters
+        counters = core.broker.stats("q").counters
         assert (counters.acked, counters.nacked) == (1, 1)
         for foreign in (other, acked, "not-an-id"):
             with pytest.raises(MessageNotFound):
@@ -418,21 +418,21 @@ def test_redrive_moves_count_oldest_first_resets_attempts_and_reruns_on_enqueue(
     async def scenario() -> None:
         core = make_core()
         keyed = 'function on_enqueue(m) return { fairness_key = m.headers.k or "none" } end'
-        await core.broker.admin.create_queue("q", keyed, DEAD_LETTER, 0)
+        await core.broker.create_queue("q", keyed, DEAD_LETTER, 0)
         ids = await core.enqueue("q", 3, headers={"k": "tenant"})
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=3)
+        consumer = core.broker.attach_consumer("q", prefetch=3)
         await core.settle()
         assert core.take(consumer) == ids
         await _nack(core, "q", *ids)
-        core.broker.delivery.detach_consumer(consumer)
-        assert await core.broker.admin.redrive("q.dlq", 2) == 2
+        core.broker.detach_consumer(consumer)
+        assert await core.broker.redrive("q.dlq", 2) == 2
         await core.settle()
-        page, _ = core.broker.admin.peek("q", 10, "", "")
+        page, _ = core.broker.peek("q", 10, "", "")
         assert [(m.id, m.metadata.attempt_count) for m in page] == [(ids[0], 0), (ids[1], 0)]
         assert {m.metadata.fairness_key for m in page} == {"tenant"}
         assert {m.metadata.queue_id for m in page} == {"q"}
         assert _attempts(core, "q.dlq") == {ids[2]: 1}
-        assert core.broker.admin.stats("q").counters.redriven == 2
+        assert core.broker.stats("q").counters.redriven == 2
 
     run(scenario)
 
@@ -444,21 +444,21 @@ def test_peek_filters_by_key_pages_across_states_and_marks_leases() -> None:
     async def scenario() -> None:
         core = make_core()
         keyed = "function on_enqueue(m) return { fairness_key = m.headers.k } end"
-        await core.broker.admin.create_queue("q", keyed, "", 0)
+        await core.broker.create_queue("q", keyed, "", 0)
         leased = (await core.enqueue("q", headers={"k": "a"}))[0]
-        consumer = core.broker.delivery.attach_consumer("q", prefetch=1)
+        consumer = core.broker.attach_consumer("q", prefetch=1)
         await core.settle()
         assert core.take(consumer) == [leased]
         delayed = (await core.enqueue("q", headers={"k": "a"}, delay_ms=60_000))[0]
         other = (await core.enqueue("q", headers={"k": "b"}))[0]
         ready = (await core.enqueue("q", headers={"k": "a"}))[0]
-        first, after = core.broker.admin.peek("q", 2, "", "a")
+        first, after = core.broker.peek("q", 2, "", "a")
         assert [m.id for m in first] == [leased, delayed] and after == delayed
         assert first[0].timestamps.HasField("leased_at")
         assert not first[1].timestamps.HasField("leased_at")
-        rest, end = core.broker.admin.peek("q", 2, after, "a")
+        rest, end = core.broker.peek("q", 2, after, "a")
         assert ([m.id for m in rest], end) == ([ready], "")
-        everything, _ = core.broker.admin.peek("q", 10, "", "")
+        everything, _ = core.broker.peek("q", 10, "", "")
         assert [m.id for m in everything] == [leased, delayed, other, ready]
 
     run(scenario)

@@ -1,8 +1,11 @@
-"""Throttling end to end: token-bucket accuracy, isolation between keys, runtime rate
-changes and removal, multi-key messages, stats, and persistence across a restart.
+"""Throttling through a real broker: runtime config over gRPC reaches the buckets, the
+buckets reach GetStats and hold deliveries back, and they survive kill -9.
 
-Every message's throttle keys come from the queue's `on_enqueue`, read from the
-`th` header as a comma-separated list; its fairness key from the `fk` header.
+What the buckets do over time (rates, bursts, isolation between keys, rate changes,
+multi-key messages) is specified exactly on a driven clock in tests/core/test_throttle.py;
+nothing here depends on how fast this machine is. Every message's throttle keys come
+from the queue's `on_enqueue`, read from the `th` header as a comma-separated list; its
+fairness key from the `fk` header.
 """
 
 from __future__ import annotations
