@@ -81,9 +81,7 @@ def test_a_stream_consume_stream_that_ends_returns_what_it_was_sent_without_on_f
         core = make_core()
         await _dead_lettering_queue(core)
         first, second, unsent = await core.enqueue("q", 3)
-        consumer = core.broker.attach_consumer(
-            "q", prefetch=3, max_batch=2, owns_settlement=True
-        )
+        consumer = core.broker.attach_consumer("q", prefetch=3, max_batch=2, owns_settlement=True)
         await core.settle()
         assert core.broker.sending(consumer, 2) is not None  # two of three leave
         core.broker.detach_consumer(consumer)
@@ -105,9 +103,7 @@ def test_stream_consume_settles_what_it_was_sent_and_refuses_anything_else() -> 
         core = make_core()
         await core.broker.create_queue("q", "", "", 0, retry_backoff="none")
         acked, nacked, other, unsent = await core.enqueue("q", 4)
-        stream = core.broker.attach_consumer(
-            "q", prefetch=2, max_batch=2, owns_settlement=True
-        )
+        stream = core.broker.attach_consumer("q", prefetch=2, max_batch=2, owns_settlement=True)
         await core.settle()
         assert core.take(stream) == [acked, nacked]
         elsewhere = core.broker.attach_consumer("q", prefetch=1)
@@ -116,7 +112,7 @@ def test_stream_consume_settles_what_it_was_sent_and_refuses_anything_else() -> 
         core.broker.settle_on_stream(stream.id, "q", [acked], [(nacked, "bad")])
         await core.settle()
         assert core.storage.get(keys.MESSAGE + parse_id(acked)) is None  # acked: gone
-        assert _attempts(core, "q")[nacked] == 1
+        assert (await _attempts(core, "q"))[nacked] == 1
         counters = core.broker.stats("q").counters
         assert (counters.acked, counters.nacked) == (1, 1)
         for foreign in (other, acked, "not-an-id"):
@@ -124,8 +120,8 @@ def test_stream_consume_settles_what_it_was_sent_and_refuses_anything_else() -> 
                 core.broker.settle_on_stream(stream.id, "q", [foreign], [])
             with pytest.raises(MessageNotFound):
                 core.broker.settle_on_stream(stream.id, "q", [], [(foreign, "x")])
-        assert _attempts(core, "q")[other] == 0, "another stream's lease is untouched"
-        assert unsent in _attempts(core, "q")
+        assert (await _attempts(core, "q"))[other] == 0, "another stream's lease is untouched"
+        assert unsent in await _attempts(core, "q")
 
     run(scenario)
 
@@ -427,11 +423,11 @@ def test_redrive_moves_count_oldest_first_resets_attempts_and_reruns_on_enqueue(
         core.broker.detach_consumer(consumer)
         assert await core.broker.redrive("q.dlq", 2) == 2
         await core.settle()
-        page, _ = core.broker.peek("q", 10, "", "")
+        page, _ = await core.broker.peek("q", 10, "", "")
         assert [(m.id, m.metadata.attempt_count) for m in page] == [(ids[0], 0), (ids[1], 0)]
         assert {m.metadata.fairness_key for m in page} == {"tenant"}
         assert {m.metadata.queue_id for m in page} == {"q"}
-        assert _attempts(core, "q.dlq") == {ids[2]: 1}
+        assert await _attempts(core, "q.dlq") == {ids[2]: 1}
         assert core.broker.stats("q").counters.redriven == 2
 
     run(scenario)
@@ -452,13 +448,13 @@ def test_peek_filters_by_key_pages_across_states_and_marks_leases() -> None:
         delayed = (await core.enqueue("q", headers={"k": "a"}, delay_ms=60_000))[0]
         other = (await core.enqueue("q", headers={"k": "b"}))[0]
         ready = (await core.enqueue("q", headers={"k": "a"}))[0]
-        first, after = core.broker.peek("q", 2, "", "a")
+        first, after = await core.broker.peek("q", 2, "", "a")
         assert [m.id for m in first] == [leased, delayed] and after == delayed
         assert first[0].timestamps.HasField("leased_at")
         assert not first[1].timestamps.HasField("leased_at")
-        rest, end = core.broker.peek("q", 2, after, "a")
+        rest, end = await core.broker.peek("q", 2, after, "a")
         assert ([m.id for m in rest], end) == ([ready], "")
-        everything, _ = core.broker.peek("q", 10, "", "")
+        everything, _ = await core.broker.peek("q", 10, "", "")
         assert [m.id for m in everything] == [leased, delayed, other, ready]
 
     run(scenario)
