@@ -94,28 +94,6 @@ def test_delay_over_the_limit_is_refused(server_factory: ServerFactory) -> None:
         assert fila.stats("jobs").depth == 0
 
 
-def test_an_extended_lease_is_not_redelivered_at_the_visibility_timeout(
-    server_factory: ServerFactory,
-) -> None:
-    server = server_factory(persist_mode="sync")
-    with connect(server.addr) as fila:
-        fila.create_queue("long", visibility_timeout_ms=600)
-        message_id = _enqueue(fila, "long", b"slow job")
-        with fila.consume("long") as stream:
-            assert stream.get(PROMPT_S).id == message_id
-            before = time.time() * 1000
-            deadline = _extend(fila, "long", message_id, 3000)
-            assert before + 2900 <= deadline <= time.time() * 1000 + 3100
-            with pytest.raises(TimeoutError):
-                stream.get(1.5)  # past the 600 ms visibility timeout
-            assert fila.stats("long").in_flight == 1
-            # extend_ms = 0 means the queue's visibility timeout
-            deadline = _extend(fila, "long", message_id, 0)
-            assert deadline <= time.time() * 1000 + 700
-            redelivered = stream.get(PROMPT_S)
-        assert (redelivered.id, redelivered.metadata.attempt_count) == (message_id, 1)
-
-
 def test_an_extension_survives_kill_9(server_factory: ServerFactory) -> None:
     server = server_factory(persist_mode="sync")
     with connect(server.addr) as fila:

@@ -1,7 +1,8 @@
 """Message life cycle over raw gRPC: create, enqueue, consume, ack, nack, expiry, stats, delete.
 
 Every test runs against a real `fila-server` child process (`server` fixture) and
-uses the generated `fila.v1` stubs only.
+uses the generated `fila.v1` stubs only: what the wire shows (fields, status codes,
+stats). How leases begin and end is specified in-process in tests/core/test_leases.py.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import pytest
 from support import ServerProcess, wait_until
 from support.stubs import Fila, connect, rpc_error, status_of
 
-from fila.v1 import admin_pb2, messages_pb2, service_pb2
+from fila.v1 import admin_pb2, service_pb2
 
 
 def _ms(stamp: object) -> int:
@@ -100,52 +101,6 @@ def test_enqueue_consume_ack_and_message_fields(server: ServerProcess) -> None:
             # And the stream's next delivery is a new message, not the acked one.
             marker = f.enqueue("jobs", b"marker")
             assert stream.get().id == marker
-
-
-def test_nack_redelivers_with_growing_attempt_count(server: ServerProcess) -> None:
-    with connect(server.addr) as f:
-        f.create_queue("retry")
-        message_id = f.enqueue("retry", b"p", {"h": "v"})
-        with f.consume("retry") as stream:
-            first = stream.get()
-            assert (first.id, first.metadata.attempt_count) == (message_id, 0)
-            f.nack("retry", message_id, "boom 1")
-
-            second = stream.get()
-            assert (second.id, second.metadata.attempt_count) == (message_id, 1)
-            assert second.payload == b"p" and dict(second.headers) == {"h": "v"}
-            assert _ms(second.timestamps.leased_at) >= _ms(first.timestamps.leased_at)
-            assert second.timestamps.enqueued_at == first.timestamps.enqueued_at
-            f.nack("retry", message_id, "boom 2")
-
-            third = stream.get()
-            assert (third.id, third.metadata.attempt_count) == (message_id, 2)
-            f.ack("retry", message_id)
-            stats = f.stats("retry")
-            assert (stats.depth, stats.in_flight) == (0, 0)
-            # Nacks without on_failure retry in place: nothing went to the DLQ.
-            assert f.stats("retry.dlq").depth == 0
-
-
-def test_visibility_timeout_expiry_redelivers_with_attempt_count_plus_one(
-    server: ServerProcess,
-) -> None:
-    timeout_ms = 300
-    with connect(server.addr) as f:
-        f.create_queue("slowjobs", visibility_timeout_ms=timeout_ms)
-        message_id = f.enqueue("slowjobs", b"work")
-        with f.consume("slowjobs") as stream:
-            first = stream.get()
-            assert (first.id, first.metadata.attempt_count) == (message_id, 0)
-            # Neither acked nor nacked: the lease must expire and the message come back.
-            second = stream.get(timeout=5.0)
-            assert (second.id, second.metadata.attempt_count) == (message_id, 1)
-            lease_gap_ms = _ms(second.timestamps.leased_at) - _ms(first.timestamps.leased_at)
-            assert lease_gap_ms >= timeout_ms, lease_gap_ms
-            third = stream.get(timeout=5.0)
-            assert (third.id, third.metadata.attempt_count) == (message_id, 2)
-            f.ack("slowjobs", message_id)
-            assert f.stats("slowjobs").in_flight == 0
 
 
 def test_ack_or_nack_of_an_expired_lease_is_not_found(server: ServerProcess) -> None:
@@ -272,54 +227,6 @@ def test_delete_queue_removes_queue_dlq_and_messages(server: ServerProcess) -> N
             with f.consume(name) as fresh:
                 first = fresh.get()
             assert (first.id, first.payload) == (marker, b"new"), name
-
-
-def test_on_enqueue_script_sets_key_weight_and_throttle_keys(server: ServerProcess) -> None:
-    script = """
-function on_enqueue(m)
-  if m.headers.tenant == nil then
-    return {fairness_key = m.queue .. "/" .. tostring(m.payload_size)}
-  end
-  return {
-    fairness_key = "tenant-" .. m.headers.tenant,
-    weight = tonumber(m.headers.w),
-    throttle_keys = {"rate:" .. m.headers.tenant, "global"},
-  }
-end
-"""
-    with connect(server.addr) as f:
-        f.create_queue("scripted", on_enqueue=script)
-        first = f.enqueue("scripted", b"abc", {"tenant": "acme", "w": "3"})
-        stats = f.stats("scripted")
-        assert [(s.key, s.pending_count, s.weight) for s in stats.per_key_stats] == [
-            ("tenant-acme", 1, 3)
-        ]
-        # The key's weight is the one of its most recent message.
-        second = f.enqueue("scripted", b"abcd", {"tenant": "acme", "w": "2"})
-        third = f.enqueue("scripted", b"12345")
-        stats = f.stats("scripted")
-        assert stats.active_fairness_keys == 2
-        assert sorted((s.key, s.pending_count, s.weight) for s in stats.per_key_stats) == [
-            ("scripted/5", 1, 1),
-            ("tenant-acme", 2, 2),
-        ]
-
-        with f.consume("scripted") as stream:
-            got = {m.id: m for m in stream.take(3)}
-        assert set(got) == {first, second, third}
-        expected: dict[str, tuple[str, int, list[str]]] = {
-            first: ("tenant-acme", 3, ["rate:acme", "global"]),
-            second: ("tenant-acme", 2, ["rate:acme", "global"]),
-            third: ("scripted/5", 1, []),
-        }
-        for message_id, (key, weight, throttle_keys) in expected.items():
-            meta: messages_pb2.MessageMetadata = got[message_id].metadata
-            assert (meta.fairness_key, meta.weight, list(meta.throttle_keys)) == (
-                key,
-                weight,
-                throttle_keys,
-            ), message_id
-            assert meta.queue_id == "scripted"
 
 
 @pytest.mark.parametrize("persist_mode", ["sync", "buffer"])

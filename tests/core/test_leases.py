@@ -2,7 +2,8 @@
 stream's end), and the bounds on what one consumer holds (prefetch).
 
 SPEC 2: a delivery leases the message for the queue's visibility timeout; Ack deletes
-it; Nack counts an attempt and (without `on_failure`) makes it ready again at once;
+it; Nack counts an attempt and (without `on_failure`, on a queue whose retry backoff
+is "none", as `CoreBroker.create_queue` makes them) makes it ready again at once;
 a lease neither acked nor nacked in time expires, counting an attempt; acking or
 nacking an id that is not leased is NOT_FOUND. docs/semantics.md: ExtendLease sets
 the deadline to now + extend_ms; an expiry does not run `on_failure`; a Consume
@@ -96,7 +97,9 @@ async def test_an_ack_of_an_id_that_is_not_leased_is_message_not_found_and_chang
 
 
 @run_async
-async def test_a_nack_without_on_failure_makes_the_message_ready_at_once_one_attempt_more() -> None:
+async def test_a_nack_with_no_backoff_makes_the_message_ready_at_once_with_one_more_attempt() -> (
+    None
+):
     core = make_core(queues=["q"])
     (message_id,) = await core.enqueue("q", headers={"h": "v"})
     consumer = await core.attach("q")
