@@ -2,24 +2,26 @@
 
 Both clients are thin shells over the generated stubs; everything that decides
 behaviour (credentials, auth metadata, which exception a failure becomes) lives
-here once, so the two cannot drift apart.
+here once, so the two cannot drift apart (the requests themselves are built in
+`fila_sdk._calls`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Final, cast
 
 import grpc
 import grpc.aio
 
-from fila.v1 import admin_pb2, service_pb2
+from fila.v1 import service_pb2
 from fila.wire import ERROR_KIND_METADATA_KEY, ErrorKind
 
 from .errors import (
     ApiKeyNotFoundError,
+    ClientClosedError,
     ConfigKeyNotFoundError,
     DeadlineExceededError,
     FilaError,
@@ -34,7 +36,6 @@ from .errors import (
     UnavailableError,
 )
 from .tracing import with_trace_context
-from .types import MESSAGE_STATES, AclPermission
 
 ChannelOptions = Sequence[tuple[str, str | int]]
 
@@ -114,6 +115,19 @@ def map_rpc_error(err: grpc.RpcError, rpc: str) -> FilaError:
         # Raised by the channel itself (refused, DNS, TLS), not by the broker.
         message = f"broker unavailable: {message}"
     return _BY_CODE.get(code, RPCError)(message, code)
+
+
+def call_error(err: grpc.RpcError, rpc: str, closed: bool) -> FilaError:
+    """What a failed call of `rpc` raises: `ClientClosedError` if the client was closed
+    meanwhile (closing its channel ends the calls in flight), else `map_rpc_error`."""
+    return ClientClosedError() if closed else map_rpc_error(err, rpc)
+
+
+def not_ready(target: str, timeout: float) -> UnavailableError:
+    """What `wait_ready` raises when the broker is not reached in time."""
+    return UnavailableError(
+        f"cannot reach broker at {target} within {timeout:g}s", grpc.StatusCode.UNAVAILABLE
+    )
 
 
 def from_broker(err: grpc.RpcError) -> bool:
@@ -220,92 +234,3 @@ class Settings:
         if self.credentials is None:
             return grpc.aio.insecure_channel(self.target, options=self.options)
         return grpc.aio.secure_channel(self.target, self.credentials, options=self.options)
-
-
-def queue_config(
-    on_enqueue: str | None,
-    on_failure: str | None,
-    visibility_timeout_ms: int | None,
-    max_attempts: int | None = None,
-    retry_backoff: str | None = None,
-) -> admin_pb2.QueueConfig:
-    # Empty strings and 0 are the wire's "not set": the broker applies its defaults.
-    return admin_pb2.QueueConfig(
-        on_enqueue_script=on_enqueue or "",
-        on_failure_script=on_failure or "",
-        visibility_timeout_ms=visibility_timeout_ms or 0,
-        max_attempts=max_attempts or 0,
-        retry_backoff=retry_backoff or "",
-    )
-
-
-def update_queue_request(
-    name: str,
-    on_enqueue: str | None,
-    on_failure: str | None,
-    visibility_timeout_ms: int | None,
-    max_attempts: int | None,
-    retry_backoff: str | None,
-) -> admin_pb2.UpdateQueueRequest:
-    """Only the arguments given (not None) change; "" clears a script."""
-    given = {
-        "on_enqueue_script": on_enqueue,
-        "on_failure_script": on_failure,
-        "visibility_timeout_ms": visibility_timeout_ms,
-        "max_attempts": max_attempts,
-        "retry_backoff": retry_backoff,
-    }
-    changes = {field: value for field, value in given.items() if value is not None}
-    if not changes:
-        raise ValueError("update_queue: give at least one setting to change")
-    return admin_pb2.UpdateQueueRequest(
-        queue=name,
-        config=admin_pb2.QueueConfig(**changes),  # type: ignore[arg-type]
-        update_mask=list(changes),
-    )
-
-
-# The broker's largest peek page; `peek_all` asks for full pages so that walking a
-# queue costs as few calls as possible. (Larger limits are capped by the broker.)
-MAX_PEEK_LIMIT: Final = 1000
-
-
-def peek_request(
-    queue: str,
-    limit: int | None,
-    after_id: str | None,
-    fairness_key: str | None,
-    state: str | None = None,
-) -> admin_pb2.PeekMessagesRequest:
-    # 0 and "" are the wire's "not set": the broker's default page size (20), from the
-    # start of the queue, every fairness key, every state.
-    if state is not None and state not in MESSAGE_STATES:
-        raise ValueError(f"state must be one of {', '.join(MESSAGE_STATES)}, got {state!r}")
-    return admin_pb2.PeekMessagesRequest(
-        queue=queue,
-        limit=limit or 0,
-        after_id=after_id or "",
-        fairness_key=fairness_key or "",
-        state=MESSAGE_STATES[state] if state is not None else 0,  # type: ignore[arg-type]
-    )
-
-
-def create_api_key_request(
-    name: str, superadmin: bool, expires_at: datetime | None
-) -> admin_pb2.CreateApiKeyRequest:
-    # A naive datetime is local time, as datetime.timestamp() reads it; 0 means never.
-    expires_at_ms = 0 if expires_at is None else int(expires_at.timestamp() * 1000)
-    return admin_pb2.CreateApiKeyRequest(
-        name=name, expires_at_ms=expires_at_ms, is_superadmin=superadmin
-    )
-
-
-def set_acl_request(
-    key_id: str, permissions: Iterable[AclPermission | str]
-) -> admin_pb2.SetAclRequest:
-    """`permissions` as `AclPermission`s or "kind:pattern" strings."""
-    parsed = [AclPermission.parse(p) if isinstance(p, str) else p for p in permissions]
-    return admin_pb2.SetAclRequest(
-        key_id=key_id,
-        permissions=[admin_pb2.AclPermission(kind=p.kind, pattern=p.pattern) for p in parsed],
-    )

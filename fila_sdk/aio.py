@@ -1,13 +1,14 @@
-"""asyncio client over `grpc.aio`; same methods as `Client`, awaited.
+"""asyncio client over `grpc.aio`; the methods of `Client`, awaited.
 
-The hot path rides the batch paths of SPEC 1 wherever the caller allows it:
-`enqueue` over an open `StreamEnqueue` stream with concurrent calls coalesced
-(`fila_sdk.streams`), `ack` and `nack` coalesced into `AckBatch` / `NackBatch`
-(`fila_sdk.batching`), `enqueue_many` / `ack_many` / `nack_many` as chunked batch
-calls, `consume(prefetch=, max_batch=)` with several messages per frame. Against a
-broker without those RPCs (`UNIMPLEMENTED`) each falls back to the unary calls for
-good. `consume` survives broker restarts (`fila_sdk.retry`) and, in a cluster, opens
-its stream on the queue's node (`fila_sdk.leader`).
+The requests and the records their answers become are built in `fila_sdk._calls`,
+shared with `Client`. The hot path rides the batch paths of SPEC 1 wherever the
+caller allows it: `enqueue` over an open `StreamEnqueue` stream with concurrent calls
+coalesced (`fila_sdk.streams`), `ack` and `nack` coalesced into `AckBatch` /
+`NackBatch` (`fila_sdk.batching`), `enqueue_many` / `ack_many` / `nack_many` as chunked
+batch calls, `consume(prefetch=, max_batch=)` with several messages per frame.
+Against a broker without those RPCs (`UNIMPLEMENTED`) each falls back to the unary
+calls for good. `consume` survives broker restarts (`fila_sdk.retry`) and, in a
+cluster, opens its stream on the queue's node (`fila_sdk.leader`).
 """
 
 from __future__ import annotations
@@ -17,12 +18,12 @@ from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
     Awaitable,
-    Callable,
     Iterable,
+    Iterator,
     Mapping,
     Sequence,
 )
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
 from typing import Any, Self, TypeVar, overload
 
@@ -30,46 +31,18 @@ import grpc
 import grpc.aio
 from google.protobuf.message import Message as ProtoMessage
 
-from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
+from fila.v1 import admin_pb2_grpc, service_pb2, service_pb2_grpc
 
-from ._channel import (
-    MAX_PEEK_LIMIT,
-    ChannelOptions,
-    Settings,
-    create_api_key_request,
-    map_rpc_error,
-    milliseconds,
-    peek_request,
-    queue_config,
-    set_acl_request,
-    update_queue_request,
-)
+from . import _calls as calls
+from ._calls import MAX_PEEK_LIMIT, BatchSettlement, Call
+from ._channel import ChannelOptions, Settings, call_error, milliseconds, not_ready
 from .arguments import UNSET, Payload, enqueue_arguments, json_arguments
-from .batching import (
-    PIPELINE_DEPTH,
-    Coalescer,
-    EnqueueLike,
-    NackItem,
-    ack_batch_request,
-    bounded_error,
-    chunks,
-    enqueue_batch_request,
-    enqueue_results,
-    entries,
-    entry_bytes,
-    nack_batch_request,
-    settle_results,
-)
-from .errors import (
-    ClientClosedError,
-    DeadlineExceededError,
-    FilaError,
-    QueueAlreadyExistsError,
-    UnavailableError,
-)
-from .leader import AsyncLeaders, Follower
-from .retry import Reconnector, async_probe, retryable
+from .batching import PIPELINE_DEPTH, Coalescer, EnqueueLike, NackItem, bounded_error
+from .errors import ClientClosedError, DeadlineExceededError, FilaError
+from .leader import AsyncLeaders
+from .retry import Reconnector, async_probe
 from .streams import Producer
+from .subscription import Subscription
 from .types import (
     Acl,
     AclPermission,
@@ -92,12 +65,8 @@ _T = TypeVar("_T")
 class AsyncClient:
     """A connection (or `connections` of them) to one broker, for use on one event loop.
 
-    `timeout` bounds every call (`DeadlineExceededError`), except `consume`, whose
-    stream lives as long as the caller reads it. `reconnect_timeout` is how long a
-    consumer keeps trying to get back to a broker it lost (None: forever) before it
-    raises `BrokerUnreachableError`. `connections` > 1 opens that many TCP
-    connections and spreads enqueue streams and batch calls over them round-robin;
-    `channel_options` are extra gRPC channel arguments, applied last.
+    Takes the arguments of `Client`, and raises what it raises. Use it as
+    `async with AsyncClient(addr) as client:` or call `close()`.
     """
 
     def __init__(
@@ -154,7 +123,7 @@ class AsyncClient:
         self._producer: Producer | None = None
         self._acks: Coalescer[tuple[str, str], None] | None = None
         self._nacks: Coalescer[tuple[str, str, str], None] | None = None
-        self._batch_settlement = True  # False once the broker answered UNIMPLEMENTED
+        self._batches = BatchSettlement()
         self._probe = async_probe(self._channel)
 
     async def __aenter__(self) -> Self:
@@ -170,15 +139,17 @@ class AsyncClient:
 
     @property
     def settings(self) -> Settings:
+        """The validated connection settings (`settings.target` is the address)."""
         return self._settings
 
     @property
     def closed(self) -> bool:
+        """Whether `close` was called."""
         return self._closed
 
     async def close(self) -> None:
         """Close the connections; open `consume` iterators end quietly, and calls still
-        waiting for an answer raise `ClientClosedError`."""
+        waiting for an answer raise `ClientClosedError`. Closing twice does nothing."""
         if self._closed:
             return
         self._closed = True
@@ -194,15 +165,13 @@ class AsyncClient:
         await self._leaders.close()
 
     async def wait_ready(self, timeout: float) -> None:  # noqa: ASYNC109 (mirrors Client)
-        """Wait until the broker accepts a connection; see `Client.wait_ready`."""
+        """Wait until the broker accepts a connection; raises `UnavailableError` if it
+        does not within `timeout` seconds (see `Client.wait_ready`)."""
         self._check_open()
         try:
             await asyncio.wait_for(self._channel.channel_ready(), timeout)
         except TimeoutError:
-            raise UnavailableError(
-                f"cannot reach broker at {self._settings.target} within {timeout:g}s",
-                grpc.StatusCode.UNAVAILABLE,
-            ) from None
+            raise not_ready(self._settings.target, timeout) from None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -225,9 +194,25 @@ class AsyncClient:
                 request, timeout=self._settings.timeout, metadata=self._settings.metadata
             )
         except grpc.RpcError as err:
-            if self._closed:
-                raise ClientClosedError() from err
-            raise map_rpc_error(err, type(request).__name__.removesuffix("Request")) from err
+            method = type(request).__name__.removesuffix("Request")
+            raise call_error(err, method, self._closed) from err
+
+    async def _call(self, call: Call[Any, _T]) -> _T:
+        """Makes `call` and returns what its answer becomes."""
+        stub = self._admin if call.admin else self._next_service()
+        try:
+            response = await self._unary(getattr(stub, call.method), call.request)
+        except FilaError as error:
+            return call.failed(error)
+        return call.answer(response)
+
+    async def _outcome(self, call: Call[Any, None]) -> FilaError | None:
+        """None if `call` succeeded, else its error."""
+        try:
+            await self._call(call)
+        except FilaError as error:
+            return error
+        return None
 
     async def _bounded(self, waiter: Awaitable[_T]) -> _T:
         """Waits for a coalesced call's answer within the client's `timeout`."""
@@ -285,15 +270,9 @@ class AsyncClient:
         payload: Any = UNSET,
         delay: timedelta | float | None = None,
     ) -> str:
-        """Store one message and return its id once it is durable.
-
-        `enqueue(queue, payload, headers=...)`, or the published order
-        `enqueue(queue, headers, payload)`; a `str` payload is sent as UTF-8 (see
-        `fila_sdk.arguments`). Concurrent calls (from many tasks) travel together in
-        one request on an open `StreamEnqueue` stream; each still gets its own id or
-        exception. `delay` (a `timedelta` or seconds) makes the message ready only
-        that long after.
-        """
+        """Store one message and return its id once it is durable; arguments and
+        errors as `Client.enqueue`. Concurrent calls (from many tasks) travel together
+        in one request on an open `StreamEnqueue` stream."""
         checked, body = enqueue_arguments(args, headers, payload)
         return await self._enqueue(queue, checked, body, delay)
 
@@ -305,8 +284,7 @@ class AsyncClient:
         headers: Mapping[str, str] | None = None,
         delay: timedelta | float | None = None,
     ) -> str:
-        """`enqueue` of `value` as JSON, with `content-type: application/json` (unless
-        `headers` name a content type); read it back with `Message.json()`."""
+        """`enqueue` of `value` as JSON; see `Client.enqueue_json`."""
         checked, body = json_arguments(value, headers)
         return await self._enqueue(queue, checked, body, delay)
 
@@ -325,30 +303,17 @@ class AsyncClient:
         return await self._bounded(producer.enqueue(queue, headers, payload, delay_ms))
 
     async def enqueue_many(self, queue: str, items: Iterable[EnqueueLike]) -> list[str | FilaError]:
-        """Store many messages in few `EnqueueBatch` calls; one result per item, in order:
-        its message id, or the `FilaError` that item alone failed with (a call that
-        failed as a whole fails each of its items). Never raises for an item.
-
-        An item is an `EnqueueItem`, bare payload bytes, or a (headers, payload) or
-        (headers, payload, delay) tuple."""
+        """Store many messages in few `EnqueueBatch` calls, a few in flight at once; one
+        result per item, as `Client.enqueue_many`."""
         self._check_open()
-        batch = entries(items)
-        spans = list(chunks([entry_bytes(e) for e in batch]))
-        results: list[str | FilaError] = []
         gate = asyncio.Semaphore(PIPELINE_DEPTH)
 
-        async def send(span: range) -> list[str | FilaError]:
+        async def send(call: Call[Any, list[str | FilaError]]) -> list[str | FilaError]:
             async with gate:
-                request = enqueue_batch_request(queue, batch, span)
-                try:
-                    response = await self._unary(self._next_service().EnqueueBatch, request)
-                except FilaError as exc:
-                    return [exc] * len(span)
-                return enqueue_results(response.results)
+                return await self._call(call)
 
-        for part in await asyncio.gather(*(send(span) for span in spans)):
-            results += part
-        return results
+        parts = await asyncio.gather(*(send(c) for c in calls.enqueue_batches(queue, items)))
+        return [result for part in parts for result in part]
 
     def consume(
         self, queue: str, *, prefetch: int | None = None, max_batch: int | None = None
@@ -359,46 +324,26 @@ class AsyncClient:
         rather than when the abandoned generator is collected.
         """
         self._check_open()
-        request = service_pb2.ConsumeRequest(
-            queue=queue,
-            prefetch=_count(prefetch, "prefetch"),
-            max_batch=_count(max_batch, "max_batch"),
-        )
-        return self._consume(request)
+        return self._consume(calls.consume_request(queue, prefetch, max_batch))
 
     async def _consume(self, request: service_pb2.ConsumeRequest) -> AsyncGenerator[Message, None]:
-        reconnector = Reconnector(
-            f"consumer of {request.queue!r}",
-            self._settings.target,
-            self._settings.reconnect_timeout,
-        )
-        follower = Follower(self._leaders, f"consumer of {request.queue!r}")  # cluster mode
+        what = f"consumer of {request.queue!r}"
+        subscription = Subscription(what, self._leaders, Reconnector.of(what, self._settings))
         from_proto = Message.from_proto
         while True:
-            call = follower.service.Consume(request, metadata=self._settings.metadata)
+            call = subscription.service.Consume(request, metadata=self._settings.metadata)
             error: FilaError
             try:
-                async for response in call:
-                    if reconnector.backing_off:
-                        reconnector.delivered()
-                    if follower.hops:
-                        follower.delivered()
-                    batch = response.messages
-                    if batch:
-                        for message in batch:
-                            yield from_proto(message)
-                    elif response.HasField("message"):  # else a keepalive frame
-                        yield from_proto(response.message)
+                async for frame in call:
+                    for message in subscription.messages(frame):
+                        yield from_proto(message)
                 return  # the server ended the stream (Fila never does; a foreign server may)
             except grpc.RpcError as err:
                 if self._closed:
                     return
-                if follower.follow(err):  # the queue's owner is elsewhere: consume there
+                if subscription.redirected(err):  # the queue's owner is elsewhere
                     continue
-                follower.lost()
-                error = map_rpc_error(err, "Consume")
-                if not retryable(error):
-                    raise error from err
+                error = subscription.failed(err, "Consume")
             except asyncio.CancelledError:
                 # grpc.aio reports a call cancelled by close() as CancelledError; swallow
                 # only that one, never a cancellation of the consuming task itself.
@@ -408,25 +353,11 @@ class AsyncClient:
                 raise
             finally:
                 call.cancel()
-            if not await self._reconnect(reconnector, error):
+            reconnector = subscription.reconnector
+            if self._closed or not await reconnector.wait_async(
+                error, self._probe, self._closing_event()
+            ):
                 return
-
-    async def _reconnect(self, reconnector: Reconnector, error: FilaError) -> bool:
-        """Waits until the broker can be reached again; False if the client closed."""
-        if self._closed:
-            return False
-        closing = asyncio.ensure_future(self._closing_event().wait())
-        waiting = asyncio.ensure_future(reconnector.wait_async(error, self._probe))
-        try:
-            await asyncio.wait((closing, waiting), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for task in (closing, waiting):
-                task.cancel()
-            await asyncio.gather(closing, waiting, return_exceptions=True)
-        if self._closed:
-            return False
-        waiting.result()  # raises BrokerUnreachableError when it gave up
-        return True
 
     def _closing_event(self) -> asyncio.Event:
         """Set by `close`: what waits for the broker waits for this too."""
@@ -435,8 +366,9 @@ class AsyncClient:
         return self._closing
 
     async def ack(self, queue: str, message_id: str) -> None:
-        """Ack one message. Acks made in the same turn of the event loop (by many
-        tasks) travel in one `AckBatch` call; none waits for a timer."""
+        """Acknowledge a leased message; see `Client.ack`. Acks made in the same turn of
+        the event loop (by many tasks) travel in one `AckBatch` call; none waits for a
+        timer."""
         acks = self._acks
         if acks is None:
             self._check_open()
@@ -444,7 +376,8 @@ class AsyncClient:
         await self._bounded(acks.submit((queue, message_id)))
 
     async def nack(self, queue: str, message_id: str, error: str = "") -> None:
-        """Nack one message (coalesced like `ack`, into `NackBatch`)."""
+        """Report a leased message as failed; see `Client.nack`. Coalesced like `ack`,
+        into `NackBatch`."""
         nacks = self._nacks
         if nacks is None:
             self._check_open()
@@ -452,120 +385,46 @@ class AsyncClient:
         await self._bounded(nacks.submit((queue, message_id, bounded_error(error))))
 
     async def ack_many(self, queue: str, message_ids: Iterable[str]) -> list[FilaError | None]:
-        """Ack many messages in few `AckBatch` calls; per item None (acked) or its error."""
-        ids = list(message_ids)
-        return await self._settle_many(
-            "Ack", len(ids), lambda span: ack_batch_request(queue, ids, span)
-        )
+        """Ack many messages in few `AckBatch` calls; per item None (acked) or its error
+        (see `Client.ack_many`)."""
+        return await self._settle_many(calls.ack_batches(queue, message_ids))
 
     async def nack_many(
         self, queue: str, items: Iterable[NackItem], error: str = ""
     ) -> list[FilaError | None]:
-        """Nack many messages in few `NackBatch` calls. An item is a message id (nacked
-        with `error`) or a (message id, error) pair; per item None or its error."""
-        listed = list(items)
-        return await self._settle_many(
-            "Nack", len(listed), lambda span: nack_batch_request(queue, listed, error, span)
-        )
+        """Nack many messages in few `NackBatch` calls; per item None or its error (see
+        `Client.nack_many`)."""
+        return await self._settle_many(calls.nack_batches(queue, items, error))
 
     async def extend_lease(
         self, queue: str, message_id: str, extend: timedelta | float | None = None
     ) -> datetime:
-        """Push a leased message's deadline to now + `extend` (a `timedelta` or seconds;
-        None: the queue's visibility timeout); returns the new deadline."""
-        request = service_pb2.ExtendLeaseRequest(
-            queue=queue, message_id=message_id, extend_ms=milliseconds(extend, "extend")
-        )
-        response = await self._unary(self._next_service().ExtendLease, request)
-        return response.deadline.ToDatetime(tzinfo=UTC)
+        """Push a leased message's deadline to now + `extend`; returns the new deadline
+        (see `Client.extend_lease`)."""
+        return await self._call(calls.extend_lease(queue, message_id, extend))
 
     async def _send_acks(self, items: list[tuple[str, str]]) -> Sequence[FilaError | None]:
-        if self._batch_settlement:
-            request = service_pb2.AckBatchRequest()
-            add = request.acks.add
-            for queue, message_id in items:
-                add(queue=queue, message_id=message_id)
-            outcome = await self._settle_batch("Ack", request)
-            if outcome is not None:
-                return outcome
-        ack = self._next_service().Ack
-        return await asyncio.gather(
-            *(self._settled(ack, service_pb2.AckRequest(queue=q, message_id=m)) for q, m in items)
-        )
+        return await self._settle(calls.ack_batch(items))
 
     async def _send_nacks(self, items: list[tuple[str, str, str]]) -> Sequence[FilaError | None]:
-        if self._batch_settlement:
-            request = service_pb2.NackBatchRequest()
-            add = request.nacks.add
-            for queue, message_id, error in items:
-                add(queue=queue, message_id=message_id, error=error)
-            outcome = await self._settle_batch("Nack", request)
-            if outcome is not None:
-                return outcome
-        nack = self._next_service().Nack
-        return await asyncio.gather(
-            *(
-                self._settled(nack, service_pb2.NackRequest(queue=q, message_id=m, error=e))
-                for q, m, e in items
-            )
-        )
-
-    async def _settle_batch(
-        self, rpc: str, request: service_pb2.AckBatchRequest | service_pb2.NackBatchRequest
-    ) -> list[FilaError | None] | None:
-        """One AckBatch / NackBatch; None if the broker does not have them (fall back)."""
-        self._check_open()
-        service = self._next_service()
-        timeout, metadata = self._settings.timeout, self._settings.metadata
-        response: service_pb2.AckBatchResponse | service_pb2.NackBatchResponse
-        try:
-            if isinstance(request, service_pb2.AckBatchRequest):
-                response = await service.AckBatch(request, timeout=timeout, metadata=metadata)
-            else:
-                response = await service.NackBatch(request, timeout=timeout, metadata=metadata)
-        except grpc.RpcError as err:
-            if err.code() == grpc.StatusCode.UNIMPLEMENTED:
-                self._batch_settlement = False
-                return None
-            if self._closed:
-                raise ClientClosedError() from err
-            raise map_rpc_error(err, f"{rpc}Batch") from err
-        return settle_results(response.results, rpc)
-
-    async def _settled(
-        self, rpc: grpc.aio.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req
-    ) -> FilaError | None:
-        try:
-            await self._unary(rpc, request)
-        except FilaError as exc:
-            return exc
-        return None
+        return await self._settle(calls.nack_batch(items))
 
     async def _settle_many(
-        self,
-        rpc: str,
-        count: int,
-        build: Callable[[range], service_pb2.AckBatchRequest | service_pb2.NackBatchRequest],
+        self, requests: Iterator[service_pb2.AckBatchRequest | service_pb2.NackBatchRequest]
     ) -> list[FilaError | None]:
         self._check_open()
-        results: list[FilaError | None] = []
-        for span in chunks([0] * count):
-            request = build(span)
-            try:
-                outcome = await self._settle_batch(rpc, request)
-            except FilaError as exc:
-                outcome = [exc] * len(span)
-            if outcome is None:  # no batch RPCs: one unary call per item
-                outcome = list(await self._unary_settlements(rpc, request))
-            results += outcome
-        return results
+        return [outcome for request in requests for outcome in await self._settle(request)]
 
-    async def _unary_settlements(
-        self, rpc: str, request: service_pb2.AckBatchRequest | service_pb2.NackBatchRequest
-    ) -> Sequence[FilaError | None]:
-        if isinstance(request, service_pb2.AckBatchRequest):
-            return await self._send_acks([(a.queue, a.message_id) for a in request.acks])
-        return await self._send_nacks([(n.queue, n.message_id, n.error) for n in request.nacks])
+    async def _settle(
+        self, request: service_pb2.AckBatchRequest | service_pb2.NackBatchRequest
+    ) -> list[FilaError | None]:
+        """One AckBatch / NackBatch (unary calls against a broker without them); per item
+        None or its error."""
+        if self._batches.available:
+            outcome = await self._call(self._batches.call(request))
+            if outcome is not None:
+                return outcome
+        return list(await asyncio.gather(*map(self._outcome, calls.one_by_one(request))))
 
     # Admin.
 
@@ -580,30 +439,27 @@ class AsyncClient:
         max_attempts: int | None = None,
         retry_backoff: str | None = None,
     ) -> str:
-        """Create queue `name` (and `name.dlq`); returns its id (the name).
-
-        With `exist_ok`, a queue of that name already existing is success, so setup
-        code can run on every start; the existing queue keeps its own hooks and
-        timeout (they are not compared with these).
-        """
-        config = queue_config(
-            on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        """Create queue `name` (and `name.dlq`); returns its id (the name). See
+        `Client.create_queue`."""
+        return await self._call(
+            calls.create_queue(
+                name,
+                on_enqueue,
+                on_failure,
+                visibility_timeout_ms,
+                exist_ok,
+                max_attempts,
+                retry_backoff,
+            )
         )
-        request = admin_pb2.CreateQueueRequest(name=name, config=config)
-        try:
-            return (await self._unary(self._admin.CreateQueue, request)).queue_id
-        except QueueAlreadyExistsError:
-            if not exist_ok:
-                raise
-            return name
 
     async def delete_queue(self, name: str) -> None:
-        await self._unary(self._admin.DeleteQueue, admin_pb2.DeleteQueueRequest(queue=name))
+        """Delete queue `name` with its messages; see `Client.delete_queue`."""
+        await self._call(calls.delete_queue(name))
 
     async def get_queue(self, name: str) -> QueueDetails:
-        """The queue's configuration in force and its dead-letter queue."""
-        request = admin_pb2.GetQueueRequest(queue=name)
-        return QueueDetails.from_proto(await self._unary(self._admin.GetQueue, request))
+        """The queue's configuration in force; see `Client.get_queue`."""
+        return await self._call(calls.get_queue(name))
 
     async def update_queue(
         self,
@@ -615,38 +471,39 @@ class AsyncClient:
         max_attempts: int | None = None,
         retry_backoff: str | None = None,
     ) -> QueueConfig:
-        """Change the given settings of queue `name` (None: unchanged; "" clears a
-        script; `max_attempts=UNLIMITED_ATTEMPTS` lifts the limit); returns the
-        configuration in force. Scripts are checked before anything changes; messages
-        enqueued after this returns see the new configuration."""
-        request = update_queue_request(
-            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        """Change the given settings of queue `name`; returns the configuration in force
+        (see `Client.update_queue`)."""
+        return await self._call(
+            calls.update_queue(
+                name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+            )
         )
-        response = await self._unary(self._admin.UpdateQueue, request)
-        return QueueConfig.from_proto(response.config)
 
     async def list_queues(self) -> list[QueueInfo]:
-        response = await self._unary(self._admin.ListQueues, admin_pb2.ListQueuesRequest())
-        return [QueueInfo.from_proto(q) for q in response.queues]
+        """Every queue; see `Client.list_queues`."""
+        return await self._call(calls.list_queues())
 
     async def get_stats(self, queue: str) -> QueueStats:
-        request = admin_pb2.GetStatsRequest(queue=queue)
-        return QueueStats.from_proto(await self._unary(self._admin.GetStats, request))
+        """The queue's counters; see `Client.get_stats`."""
+        return await self._call(calls.get_stats(queue))
 
     async def set_config(self, key: str, value: str) -> None:
-        await self._unary(self._admin.SetConfig, admin_pb2.SetConfigRequest(key=key, value=value))
+        """Set (or with "" delete) a runtime configuration value; see
+        `Client.set_config`."""
+        await self._call(calls.set_config(key, value))
 
     async def get_config(self, key: str) -> str:
-        request = admin_pb2.GetConfigRequest(key=key)
-        return (await self._unary(self._admin.GetConfig, request)).value
+        """A runtime configuration value; see `Client.get_config`."""
+        return await self._call(calls.get_config(key))
 
     async def list_config(self, prefix: str = "") -> ConfigListing:
-        request = admin_pb2.ListConfigRequest(prefix=prefix)
-        return ConfigListing.from_proto(await self._unary(self._admin.ListConfig, request))
+        """The runtime configuration values under `prefix`; see `Client.list_config`."""
+        return await self._call(calls.list_config(prefix))
 
     async def redrive(self, dlq_queue: str, count: int = 0) -> int:
-        request = admin_pb2.RedriveRequest(dlq_queue=dlq_queue, count=count)
-        return (await self._unary(self._admin.Redrive, request)).redriven
+        """Move dead letters back to their queue; returns how many (see
+        `Client.redrive`)."""
+        return await self._call(calls.redrive(dlq_queue, count))
 
     async def peek(
         self,
@@ -658,8 +515,7 @@ class AsyncClient:
         state: str | None = None,
     ) -> PeekPage:
         """One page of `queue`'s messages without leasing them; see `Client.peek`."""
-        request = peek_request(queue, limit, after_id, fairness_key, state)
-        return PeekPage.from_proto(await self._unary(self._admin.PeekMessages, request))
+        return await self._call(calls.peek(queue, limit, after_id, fairness_key, state))
 
     async def peek_all(
         self,
@@ -684,40 +540,29 @@ class AsyncClient:
 
     async def purge(self, queue: str) -> int:
         """Delete `queue`'s ready and delayed messages; see `Client.purge`."""
-        request = admin_pb2.PurgeQueueRequest(queue=queue)
-        return (await self._unary(self._admin.PurgeQueue, request)).purged
+        return await self._call(calls.purge(queue))
 
     # API keys and ACLs (superadmins manage keys; see the broker's docs/semantics.md).
 
     async def create_api_key(
         self, name: str, *, superadmin: bool = False, expires_at: datetime | None = None
     ) -> CreatedApiKey:
-        """Create a key; the returned `key` is the only copy of the secret."""
-        request = create_api_key_request(name, superadmin, expires_at)
-        response = await self._unary(self._admin.CreateApiKey, request)
-        return CreatedApiKey(response.key_id, response.key, response.is_superadmin)
+        """Create an API key; the returned `key` is the only copy of the secret (see
+        `Client.create_api_key`)."""
+        return await self._call(calls.create_api_key(name, superadmin, expires_at))
 
     async def list_api_keys(self) -> list[ApiKeyInfo]:
-        response = await self._unary(self._admin.ListApiKeys, admin_pb2.ListApiKeysRequest())
-        return [ApiKeyInfo.from_proto(k) for k in response.keys]
+        """Every API key, without its secret."""
+        return await self._call(calls.list_api_keys())
 
     async def revoke_api_key(self, key_id: str) -> None:
-        request = admin_pb2.RevokeApiKeyRequest(key_id=key_id)
-        await self._unary(self._admin.RevokeApiKey, request)
+        """Revoke a key; see `Client.revoke_api_key`."""
+        await self._call(calls.revoke_api_key(key_id))
 
     async def set_acl(self, key_id: str, permissions: Iterable[AclPermission | str]) -> None:
-        """Replace the key's permissions; strings are "kind:pattern"."""
-        await self._unary(self._admin.SetAcl, set_acl_request(key_id, permissions))
+        """Replace the key's permissions; see `Client.set_acl`."""
+        await self._call(calls.set_acl(key_id, permissions))
 
     async def get_acl(self, key_id: str) -> Acl:
-        request = admin_pb2.GetAclRequest(key_id=key_id)
-        return Acl.from_proto(await self._unary(self._admin.GetAcl, request))
-
-
-def _count(value: int | None, what: str) -> int:
-    """An optional positive count for the wire (0 = the broker's default)."""
-    if value is None:
-        return 0
-    if value < 1:
-        raise ValueError(f"{what} must be at least 1, got {value}")
-    return value
+        """The key's permissions; see `Client.get_acl`."""
+        return await self._call(calls.get_acl(key_id))

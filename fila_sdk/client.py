@@ -1,13 +1,14 @@
 """Blocking client; safe to share between threads.
 
 Unary and batch calls (`ack`, `enqueue_many`, admin, ...) run on a gRPC sync
-channel in the calling thread. Streams need something reading them while callers
-block, so `enqueue` (which rides an open `StreamEnqueue` stream) and `Worker` run
-the `AsyncClient` machinery on a private event loop thread, started on first use
-(see `fila_sdk._loop`): one implementation of the stream protocols, and calls
-from many threads coalesce into the same requests. The cost is a second
-connection to the broker for those streams, and a thread hand-off per `enqueue`
-(tens of microseconds, against a round trip to the broker).
+channel in the calling thread; their requests and the records their answers become
+are built in `fila_sdk._calls`, shared with `AsyncClient`. Streams need something
+reading them while callers block, so `enqueue` (which rides an open `StreamEnqueue`
+stream) and `Worker` run the `AsyncClient` machinery on a private event loop thread,
+started on first use (see `fila_sdk._loop`): one implementation of the stream
+protocols, and calls from many threads coalesce into the same requests. The cost is
+a second connection to the broker for those streams, and a thread hand-off per
+`enqueue`.
 
 `consume` stays a plain server stream read in the caller's thread, outlives
 broker restarts (see `fila_sdk.retry`) and, in a cluster, follows the queue to its
@@ -17,48 +18,28 @@ node (see `fila_sdk.leader`).
 from __future__ import annotations
 
 import threading
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping
-from datetime import UTC, datetime, timedelta
+from datetime import datetime, timedelta
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Self, TypeVar, overload
+from typing import Any, Self, TypeVar, overload
 
 import grpc
 from google.protobuf.message import Message as ProtoMessage
 
-from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
+from fila.v1 import admin_pb2_grpc, service_pb2, service_pb2_grpc
 
-from ._channel import (
-    MAX_PEEK_LIMIT,
-    ChannelOptions,
-    Settings,
-    create_api_key_request,
-    map_rpc_error,
-    milliseconds,
-    peek_request,
-    queue_config,
-    set_acl_request,
-    update_queue_request,
-)
+from . import _calls as calls
+from ._calls import MAX_PEEK_LIMIT, BatchSettlement, Call
+from ._channel import ChannelOptions, Settings, call_error, not_ready
 from ._loop import LoopThread
 from .aio import AsyncClient
 from .arguments import UNSET, Payload, enqueue_arguments, json_arguments
-from .batching import (
-    PIPELINE_DEPTH,
-    EnqueueLike,
-    NackItem,
-    ack_batch_request,
-    bounded_error,
-    chunks,
-    enqueue_batch_request,
-    enqueue_results,
-    entries,
-    entry_bytes,
-    nack_batch_request,
-    settle_results,
-)
-from .errors import ClientClosedError, FilaError, QueueAlreadyExistsError, UnavailableError
-from .leader import Follower, SyncLeaders
-from .retry import Reconnector, retryable, sync_probe
+from .batching import PIPELINE_DEPTH, EnqueueLike, NackItem
+from .errors import ClientClosedError, FilaError
+from .leader import SyncLeaders
+from .retry import Reconnector, sync_probe
+from .subscription import Subscription
 from .types import (
     Acl,
     AclPermission,
@@ -75,13 +56,33 @@ from .types import (
 
 _Req = TypeVar("_Req", bound=ProtoMessage)
 _Resp = TypeVar("_Resp", bound=ProtoMessage)
-if TYPE_CHECKING:
-    _BatchFuture = grpc.CallFuture[service_pb2.EnqueueBatchResponse]  # a stub-only type
+_R = TypeVar("_R")
 
 
 class Client:
-    """A connection (or `connections` of them) to one broker; see `AsyncClient` for
-    `timeout`, `reconnect_timeout`, `connections` and `channel_options`."""
+    """A blocking connection (or `connections` of them) to one broker at `addr`
+    ("host:port"), safe to share between threads.
+
+    `tls` (or any of `ca_cert`, `client_cert` and `client_key`, PEM bytes) connects
+    over TLS, with a client certificate for mTLS; `api_key` is sent with every call.
+    `timeout` (seconds) bounds every call except `consume`, whose stream lives as long
+    as the caller reads it. `reconnect_timeout` is how long a consumer keeps trying to
+    get back to a broker it lost (None: forever) before it raises
+    `BrokerUnreachableError`. `connections` > 1 opens that many TCP connections and
+    spreads enqueue streams and batch calls over them round-robin; `channel_options`
+    are extra gRPC channel arguments, applied last.
+
+    Raises `ValueError` for a client certificate without its key (or the reverse),
+    `connections` < 1 or a negative `reconnect_timeout`. Nothing is sent before the
+    first call (`wait_ready` checks the broker can be reached).
+
+    Besides the errors each method names, any call can raise `UnavailableError` (the
+    broker cannot be reached or is shutting down), `DeadlineExceededError` (no answer
+    within `timeout`), `UnauthenticatedError` or `PermissionDeniedError` (the API key
+    is refused, or lacks the permission), `ResourceExhaustedError` (the broker sheds
+    load) and `ClientClosedError` (the client is closed, or was closed during the
+    call); every one is a `FilaError`.
+    """
 
     def __init__(
         self,
@@ -121,7 +122,7 @@ class Client:
         self._lock = threading.Lock()
         self._loop: LoopThread | None = None
         self._twin: AsyncClient | None = None
-        self._batch_settlement = True  # False once the broker answered UNIMPLEMENTED
+        self._batches = BatchSettlement()
         self._probe = sync_probe(self._channel)
 
     def __enter__(self) -> Self:
@@ -137,15 +138,17 @@ class Client:
 
     @property
     def settings(self) -> Settings:
+        """The validated connection settings (`settings.target` is the address)."""
         return self._settings
 
     @property
     def closed(self) -> bool:
+        """Whether `close` was called."""
         return self._closed
 
     def close(self) -> None:
         """Close the connections; open `consume` iterators end quietly, and calls still
-        waiting for an answer raise `ClientClosedError`."""
+        waiting for an answer raise `ClientClosedError`. Closing twice does nothing."""
         with self._lock:
             if self._closed:
                 return
@@ -163,15 +166,14 @@ class Client:
     def wait_ready(self, timeout: float) -> None:
         """Block until the broker accepts a connection, so that callers (a CLI, a test,
         a deploy script) can fail fast with one clear error instead of on the first RPC.
+
+        Raises `UnavailableError` if it does not within `timeout` seconds.
         """
         self._check_open()
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout)
         except grpc.FutureTimeoutError:
-            raise UnavailableError(
-                f"cannot reach broker at {self._settings.target} within {timeout:g}s",
-                grpc.StatusCode.UNAVAILABLE,
-            ) from None
+            raise not_ready(self._settings.target, timeout) from None
 
     def _check_open(self) -> None:
         if self._closed:
@@ -186,22 +188,60 @@ class Client:
             self._turn = (self._turn + 1) % len(services)
             return services[self._turn]
 
+    def _stub(self, call: Call[Any, Any]) -> Any:
+        """The method of `call` on its service's stub (admin calls on the first
+        connection, the others round-robin)."""
+        return getattr(self._admin if call.admin else self._next_service(), call.method)
+
     def _unary(self, rpc: grpc.UnaryUnaryMultiCallable[_Req, _Resp], request: _Req) -> _Resp:
         self._check_open()
         try:
             return rpc(request, timeout=self._settings.timeout, metadata=self._settings.metadata)
         except grpc.RpcError as err:
-            if self._closed:
-                raise ClientClosedError() from err
-            raise map_rpc_error(err, type(request).__name__.removesuffix("Request")) from err
+            method = type(request).__name__.removesuffix("Request")
+            raise call_error(err, method, self._closed) from err
         except ValueError as err:  # grpc: "Cannot invoke RPC on closed channel!"
             if self._closed:
                 raise ClientClosedError() from err
             raise
 
+    def _call(self, call: Call[Any, _R]) -> _R:
+        """Makes `call` and returns what its answer becomes."""
+        try:
+            response = self._unary(self._stub(call), call.request)
+        except FilaError as error:
+            return call.failed(error)
+        return call.answer(response)
+
+    def _start(self, call: Call[Any, _R]) -> Callable[[], _R]:
+        """Sends `call` without waiting for it (so that several are in flight); the
+        function returned waits for its result (or raises, as `_call` would)."""
+        if self._closed:
+            return lambda: call.failed(ClientClosedError())
+        future = self._stub(call).future(
+            call.request, timeout=self._settings.timeout, metadata=self._settings.metadata
+        )
+
+        def result() -> _R:
+            try:
+                response = future.result()
+            except grpc.RpcError as err:
+                return call.failed(call_error(err, call.method, self._closed))
+            return call.answer(response)
+
+        return result
+
+    def _outcome(self, call: Call[Any, None]) -> FilaError | None:
+        """None if `call` succeeded, else its error."""
+        try:
+            self._call(call)
+        except FilaError as error:
+            return error
+        return None
+
     def streams(self) -> tuple[LoopThread, AsyncClient]:
         """The private loop thread and the `AsyncClient` on it, started on first use
-        (for `enqueue` and `Worker`)."""
+        (for `enqueue` and `Worker`). Raises `ClientClosedError` once closed."""
         with self._lock:
             if self._closed:
                 raise ClientClosedError()
@@ -257,9 +297,21 @@ class Client:
         payload: Any = UNSET,
         delay: timedelta | float | None = None,
     ) -> str:
-        """Store one message and return its id once it is durable: `enqueue(queue,
-        payload, headers=...)` or the published `enqueue(queue, headers, payload)`
-        (see `AsyncClient.enqueue`; calls from many threads share requests)."""
+        """Store one message in `queue` and return its id once it is durable.
+
+        `enqueue(queue, payload, headers=...)`, or the published order
+        `enqueue(queue, headers, payload)`; a `str` payload is sent as UTF-8 (see
+        `fila_sdk.arguments`). `delay` (a `timedelta` or seconds) makes the message
+        ready only that long after. Calls from many threads travel together in one
+        request on an open `StreamEnqueue` stream; each still gets its own id or
+        exception.
+
+        Raises `ArgumentError` for a payload or headers of the wrong kind (nothing is
+        sent), `QueueNotFoundError`, `InvalidArgumentError` (the broker refused the
+        message, e.g. over its size limit) or `ResourceExhaustedError` (the queue is
+        full). If the stream fails, whether the message was stored is unknown: the
+        error says so, and the next call opens a new stream.
+        """
         checked, body = enqueue_arguments(args, headers, payload)
         return self._enqueue(queue, checked, body, delay)
 
@@ -271,7 +323,9 @@ class Client:
         headers: Mapping[str, str] | None = None,
         delay: timedelta | float | None = None,
     ) -> str:
-        """`enqueue` of `value` as JSON (see `AsyncClient.enqueue_json`)."""
+        """`enqueue` of `value` as JSON, with `content-type: application/json` (unless
+        `headers` name a content type); read it back with `Message.json()`. Raises
+        `ArgumentError` if `value` is not JSON, else as `enqueue`."""
         checked, body = json_arguments(value, headers)
         return self._enqueue(queue, checked, body, delay)
 
@@ -288,38 +342,22 @@ class Client:
         return loop.run(twin.enqueue(queue, headers, payload, delay=delay))
 
     def enqueue_many(self, queue: str, items: Iterable[EnqueueLike]) -> list[str | FilaError]:
-        """Store many messages in few `EnqueueBatch` calls; see `AsyncClient.enqueue_many`."""
+        """Store many messages in few `EnqueueBatch` calls; one result per item, in order:
+        its message id, or the `FilaError` that item alone failed with (a call that
+        failed as a whole fails each of its items). Never raises for an item.
+
+        An item is an `EnqueueItem`, a payload (`bytes` or `str`), or a (headers,
+        payload) or (headers, payload, delay) tuple. Raises `ArgumentError` for an item
+        of the wrong kind, before anything is sent."""
         self._check_open()
-        batch = entries(items)
         results: list[str | FilaError] = []
-        window: list[tuple[range, _BatchFuture | None]] = []
-
-        def collect(span: range, future: _BatchFuture | None) -> None:
-            try:
-                if future is None:
-                    raise ClientClosedError()
-                response = future.result()
-            except grpc.RpcError as err:
-                error = ClientClosedError() if self._closed else map_rpc_error(err, "EnqueueBatch")
-                results.extend([error] * len(span))
-                return
-            except ClientClosedError as err:
-                results.extend([err] * len(span))
-                return
-            results.extend(enqueue_results(response.results))
-
-        for span in chunks([entry_bytes(e) for e in batch]):
-            request = enqueue_batch_request(queue, batch, span)
-            call: _BatchFuture | None = None
-            if not self._closed:
-                call = self._next_service().EnqueueBatch.future(
-                    request, timeout=self._settings.timeout, metadata=self._settings.metadata
-                )
-            window.append((span, call))
+        window: deque[Callable[[], list[str | FilaError]]] = deque()
+        for call in calls.enqueue_batches(queue, items):
+            window.append(self._start(call))
             if len(window) >= PIPELINE_DEPTH:
-                collect(*window.pop(0))
-        for span, call in window:
-            collect(span, call)
+                results += window.popleft()()
+        for result in window:
+            results += result()
         return results
 
     def consume(
@@ -334,58 +372,43 @@ class Client:
         Leaving the loop, closing the generator or closing the client cancels the
         stream, so the broker stops leasing to this consumer at once. If the broker
         goes away, the stream is opened again once it is back (messages delivered and
-        not acked stay leased to the lost stream until their visibility timeout);
-        `BrokerUnreachableError` if it stays away for the client's `reconnect_timeout`.
+        not acked stay leased to the lost stream until their visibility timeout).
+
+        Raises `ValueError` for a `prefetch` or `max_batch` below 1; while iterating,
+        `QueueNotFoundError` (or another error that opening the stream again would
+        not cure), or `BrokerUnreachableError` if the broker stays away for the
+        client's `reconnect_timeout`.
         """
         self._check_open()
-        request = service_pb2.ConsumeRequest(
-            queue=queue,
-            prefetch=_count(prefetch, "prefetch"),
-            max_batch=_count(max_batch, "max_batch"),
-        )
-        return self._consume(request)
+        return self._consume(calls.consume_request(queue, prefetch, max_batch))
 
     def _consume(self, request: service_pb2.ConsumeRequest) -> Generator[Message, None, None]:
-        reconnector = Reconnector(
-            f"consumer of {request.queue!r}",
-            self._settings.target,
-            self._settings.reconnect_timeout,
-        )
-        follower = Follower(self._leaders, f"consumer of {request.queue!r}")  # cluster mode
+        what = f"consumer of {request.queue!r}"
+        subscription = Subscription(what, self._leaders, Reconnector.of(what, self._settings))
         from_proto = Message.from_proto
         while True:
             try:
-                call = follower.service.Consume(request, metadata=self._settings.metadata)
+                call = subscription.service.Consume(request, metadata=self._settings.metadata)
             except ValueError:  # the channel was closed meanwhile
                 if self._closed:
                     return
                 raise
             error: FilaError
             try:
-                for response in call:
-                    if reconnector.backing_off:
-                        reconnector.delivered()
-                    if follower.hops:
-                        follower.delivered()
-                    batch = response.messages
-                    if batch:
-                        for message in batch:
-                            yield from_proto(message)
-                    elif response.HasField("message"):  # else a keepalive frame
-                        yield from_proto(response.message)
+                for frame in call:
+                    for message in subscription.messages(frame):
+                        yield from_proto(message)
                 return  # the server ended the stream (Fila never does; a foreign server may)
             except grpc.RpcError as err:
                 if self._closed:
                     return
-                if follower.follow(err):  # the queue's owner is elsewhere: consume there
+                if subscription.redirected(err):  # the queue's owner is elsewhere
                     continue
-                follower.lost()
-                error = map_rpc_error(err, "Consume")
-                if not retryable(error):
-                    raise error from err
+                error = subscription.failed(err, "Consume")
             finally:
                 call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves it untyped
             try:
+                reconnector = subscription.reconnector
                 if self._closed or not reconnector.wait_sync(
                     error, self._probe, self._closed_event
                 ):
@@ -396,90 +419,53 @@ class Client:
                 raise
 
     def ack(self, queue: str, message_id: str) -> None:
-        self._unary(
-            self._next_service().Ack, service_pb2.AckRequest(queue=queue, message_id=message_id)
-        )
+        """Acknowledge a leased message: it is done and deleted, durably before this
+        returns. Raises `MessageNotFoundError` if the id is not leased in `queue`
+        (already acked, its lease expired, or never delivered)."""
+        self._call(calls.ack(queue, message_id))
 
     def nack(self, queue: str, message_id: str, error: str = "") -> None:
-        request = service_pb2.NackRequest(
-            queue=queue, message_id=message_id, error=bounded_error(error)
-        )
-        self._unary(self._next_service().Nack, request)
+        """Report a leased message as failed, with `error` (cut to a bounded size) as
+        the reason: the queue's retry policy or `on_failure` hook decides whether it is
+        retried or dead-lettered. Raises `MessageNotFoundError` as `ack` does."""
+        self._call(calls.nack(queue, message_id, error))
 
     def ack_many(self, queue: str, message_ids: Iterable[str]) -> list[FilaError | None]:
-        """Ack many messages in few `AckBatch` calls; per item None (acked) or its error."""
-        ids = list(message_ids)
-        return self._settle_many("Ack", len(ids), lambda span: ack_batch_request(queue, ids, span))
+        """Ack many messages in few `AckBatch` calls; per item None (acked) or its error
+        (e.g. `MessageNotFoundError`). Never raises for an item."""
+        return self._settle_many(calls.ack_batches(queue, message_ids))
 
     def nack_many(
         self, queue: str, items: Iterable[NackItem], error: str = ""
     ) -> list[FilaError | None]:
-        """Nack many messages in few `NackBatch` calls; see `AsyncClient.nack_many`."""
-        listed = list(items)
-        return self._settle_many(
-            "Nack", len(listed), lambda span: nack_batch_request(queue, listed, error, span)
-        )
+        """Nack many messages in few `NackBatch` calls. An item is a message id (nacked
+        with `error`) or a (message id, error) pair; per item None or its error. Never
+        raises for an item."""
+        return self._settle_many(calls.nack_batches(queue, items, error))
 
     def extend_lease(
         self, queue: str, message_id: str, extend: timedelta | float | None = None
     ) -> datetime:
         """Push a leased message's deadline to now + `extend` (a `timedelta` or seconds;
-        None: the queue's visibility timeout); returns the new deadline."""
-        request = service_pb2.ExtendLeaseRequest(
-            queue=queue, message_id=message_id, extend_ms=milliseconds(extend, "extend")
-        )
-        response = self._unary(self._next_service().ExtendLease, request)
-        return response.deadline.ToDatetime(tzinfo=UTC)
+        None: the queue's visibility timeout); returns the new deadline. Raises
+        `MessageNotFoundError` if the message is not leased (any more)."""
+        return self._call(calls.extend_lease(queue, message_id, extend))
 
     def _settle_many(
-        self,
-        rpc: str,
-        count: int,
-        build: Callable[[range], service_pb2.AckBatchRequest | service_pb2.NackBatchRequest],
+        self, requests: Iterator[service_pb2.AckBatchRequest | service_pb2.NackBatchRequest]
     ) -> list[FilaError | None]:
-        results: list[FilaError | None] = []
-        for span in chunks([0] * count):
-            results += self._settle_batch(rpc, build(span))
-        return results
+        self._check_open()
+        return [outcome for request in requests for outcome in self._settle(request)]
 
-    def _settle_batch(
-        self, rpc: str, request: service_pb2.AckBatchRequest | service_pb2.NackBatchRequest
+    def _settle(
+        self, request: service_pb2.AckBatchRequest | service_pb2.NackBatchRequest
     ) -> list[FilaError | None]:
         """One AckBatch / NackBatch (unary calls against a broker without them); per item
-        None or its error, and a call that failed as a whole fails each item."""
-        self._check_open()
-        service = self._next_service()
-        items = request.acks if isinstance(request, service_pb2.AckBatchRequest) else request.nacks
-        if self._batch_settlement:
-            timeout, metadata = self._settings.timeout, self._settings.metadata
-            response: service_pb2.AckBatchResponse | service_pb2.NackBatchResponse
-            try:
-                if isinstance(request, service_pb2.AckBatchRequest):
-                    response = service.AckBatch(request, timeout=timeout, metadata=metadata)
-                else:
-                    response = service.NackBatch(request, timeout=timeout, metadata=metadata)
-            except grpc.RpcError as err:
-                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
-                    error = ClientClosedError() if self._closed else map_rpc_error(err, rpc)
-                    return [error] * len(items)
-                self._batch_settlement = False
-            else:
-                return settle_results(response.results, rpc)
-        return [self._settled(service, item) for item in items]
-
-    def _settled(
-        self,
-        service: service_pb2_grpc.FilaServiceStub,
-        item: service_pb2.AckRequest | service_pb2.NackRequest,
-    ) -> FilaError | None:
-        try:
-            if isinstance(item, service_pb2.AckRequest):
-                self._unary(service.Ack, item)
-            else:
-                self._unary(service.Nack, item)
-        except FilaError as exc:
-            return exc
-        return None
+        None or its error."""
+        outcome = self._call(self._batches.call(request)) if self._batches.available else None
+        if outcome is None:
+            outcome = [self._outcome(call) for call in calls.one_by_one(request)]
+        return outcome
 
     # Admin.
 
@@ -494,30 +480,40 @@ class Client:
         max_attempts: int | None = None,
         retry_backoff: str | None = None,
     ) -> str:
-        """Create queue `name` (and `name.dlq`); returns its id (the name).
+        """Create queue `name` (and its dead-letter queue `name.dlq`); returns its id
+        (the name).
 
-        With `exist_ok`, a queue of that name already existing is success, so setup
-        code can run on every start; the existing queue keeps its own hooks and
-        timeout (they are not compared with these).
+        `on_enqueue` and `on_failure` are Lua hook scripts, `visibility_timeout_ms` how
+        long a lease lasts, `max_attempts` and `retry_backoff` the retry policy; None
+        takes the broker's defaults. With `exist_ok`, a queue of that name already
+        existing is success, so setup code can run on every start; the existing queue
+        keeps its own hooks and timeout (they are not compared with these).
+
+        Raises `QueueAlreadyExistsError` (without `exist_ok`), or
+        `InvalidArgumentError` for a bad name or a script that does not compile.
         """
-        config = queue_config(
-            on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        return self._call(
+            calls.create_queue(
+                name,
+                on_enqueue,
+                on_failure,
+                visibility_timeout_ms,
+                exist_ok,
+                max_attempts,
+                retry_backoff,
+            )
         )
-        request = admin_pb2.CreateQueueRequest(name=name, config=config)
-        try:
-            return self._unary(self._admin.CreateQueue, request).queue_id
-        except QueueAlreadyExistsError:
-            if not exist_ok:
-                raise
-            return name
 
     def delete_queue(self, name: str) -> None:
-        self._unary(self._admin.DeleteQueue, admin_pb2.DeleteQueueRequest(queue=name))
+        """Delete queue `name` with its messages, leases and dead-letter queue. Raises
+        `QueueNotFoundError`, or `InvalidArgumentError` for a dead-letter queue on its
+        own."""
+        self._call(calls.delete_queue(name))
 
     def get_queue(self, name: str) -> QueueDetails:
-        """The queue's configuration in force and its dead-letter queue."""
-        request = admin_pb2.GetQueueRequest(queue=name)
-        return QueueDetails.from_proto(self._unary(self._admin.GetQueue, request))
+        """The queue's configuration in force and its dead-letter queue. Raises
+        `QueueNotFoundError`."""
+        return self._call(calls.get_queue(name))
 
     def update_queue(
         self,
@@ -532,34 +528,47 @@ class Client:
         """Change the given settings of queue `name` (None: unchanged; "" clears a
         script; `max_attempts=UNLIMITED_ATTEMPTS` lifts the limit); returns the
         configuration in force. Scripts are checked before anything changes; messages
-        enqueued after this returns see the new configuration."""
-        request = update_queue_request(
-            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+        enqueued after this returns see the new configuration.
+
+        Raises `ValueError` if no setting is given, `QueueNotFoundError`, or
+        `InvalidArgumentError` for a script that does not compile or a bad value."""
+        return self._call(
+            calls.update_queue(
+                name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+            )
         )
-        response = self._unary(self._admin.UpdateQueue, request)
-        return QueueConfig.from_proto(response.config)
 
     def list_queues(self) -> list[QueueInfo]:
-        response = self._unary(self._admin.ListQueues, admin_pb2.ListQueuesRequest())
-        return [QueueInfo.from_proto(q) for q in response.queues]
+        """Every queue, with its depth, in-flight count and active consumers."""
+        return self._call(calls.list_queues())
 
     def get_stats(self, queue: str) -> QueueStats:
-        response = self._unary(self._admin.GetStats, admin_pb2.GetStatsRequest(queue=queue))
-        return QueueStats.from_proto(response)
+        """The queue's counters: depth, in flight, delayed, per fairness key and throttle
+        key. Raises `QueueNotFoundError`."""
+        return self._call(calls.get_stats(queue))
 
     def set_config(self, key: str, value: str) -> None:
-        self._unary(self._admin.SetConfig, admin_pb2.SetConfigRequest(key=key, value=value))
+        """Set a runtime configuration value (read by Lua hooks with `fila.get`), or
+        delete it with ""; durable before this returns. Raises `InvalidArgumentError`
+        for an empty or oversized key, an oversized value or a bad `throttle.*`
+        value."""
+        self._call(calls.set_config(key, value))
 
     def get_config(self, key: str) -> str:
-        return self._unary(self._admin.GetConfig, admin_pb2.GetConfigRequest(key=key)).value
+        """A runtime configuration value. Raises `ConfigKeyNotFoundError`."""
+        return self._call(calls.get_config(key))
 
     def list_config(self, prefix: str = "") -> ConfigListing:
-        response = self._unary(self._admin.ListConfig, admin_pb2.ListConfigRequest(prefix=prefix))
-        return ConfigListing.from_proto(response)
+        """The runtime configuration values whose key starts with `prefix` (all by
+        default)."""
+        return self._call(calls.list_config(prefix))
 
     def redrive(self, dlq_queue: str, count: int = 0) -> int:
-        request = admin_pb2.RedriveRequest(dlq_queue=dlq_queue, count=count)
-        return self._unary(self._admin.Redrive, request).redriven
+        """Move up to `count` messages (0: all) from dead-letter queue `dlq_queue` back
+        to its source queue, as fresh attempts; returns how many moved. Raises
+        `QueueNotFoundError`, or `InvalidArgumentError` if `dlq_queue` is not a
+        dead-letter queue."""
+        return self._call(calls.redrive(dlq_queue, count))
 
     def peek(
         self,
@@ -579,9 +588,10 @@ class Client:
         `state` ("ready", "delayed" or "leased") only those in that state. The page's
         `states` say each message's state, when a delayed one becomes ready and when
         a lease runs out.
+
+        Raises `ValueError` for an unknown `state`, `QueueNotFoundError`.
         """
-        request = peek_request(queue, limit, after_id, fairness_key, state)
-        return PeekPage.from_proto(self._unary(self._admin.PeekMessages, request))
+        return self._call(calls.peek(queue, limit, after_id, fairness_key, state))
 
     def peek_all(
         self,
@@ -593,7 +603,7 @@ class Client:
         state: str | None = None,
     ) -> Iterator[Message]:
         """Every message of `queue` (after `after_id`, if given) in id order, fetched
-        a page at a time as iterated.
+        a page at a time as iterated; raises as `peek`.
 
         Each page is a consistent view of its moment, not a snapshot of the whole
         queue: messages enqueued while iterating appear if their id sorts after the
@@ -613,42 +623,37 @@ class Client:
         """Delete every ready and delayed message of `queue`; returns how many.
 
         Leased messages are left to finish (ack, nack or expire), so a purge never
-        pulls work from under a consumer. Durable before it returns.
+        pulls work from under a consumer. Durable before it returns. Raises
+        `QueueNotFoundError`.
         """
-        request = admin_pb2.PurgeQueueRequest(queue=queue)
-        return self._unary(self._admin.PurgeQueue, request).purged
+        return self._call(calls.purge(queue))
 
     # API keys and ACLs (superadmins manage keys; see the broker's docs/semantics.md).
 
     def create_api_key(
         self, name: str, *, superadmin: bool = False, expires_at: datetime | None = None
     ) -> CreatedApiKey:
-        """Create a key; the returned `key` is the only copy of the secret."""
-        request = create_api_key_request(name, superadmin, expires_at)
-        response = self._unary(self._admin.CreateApiKey, request)
-        return CreatedApiKey(response.key_id, response.key, response.is_superadmin)
+        """Create an API key named `name` (a superadmin's may do anything; others only
+        what their ACL grants), valid until `expires_at` (None: no expiry); the
+        returned `key` is the only copy of the secret. Raises `InvalidArgumentError`
+        for a bad name or an expiry in the past."""
+        return self._call(calls.create_api_key(name, superadmin, expires_at))
 
     def list_api_keys(self) -> list[ApiKeyInfo]:
-        response = self._unary(self._admin.ListApiKeys, admin_pb2.ListApiKeysRequest())
-        return [ApiKeyInfo.from_proto(k) for k in response.keys]
+        """Every API key, without its secret."""
+        return self._call(calls.list_api_keys())
 
     def revoke_api_key(self, key_id: str) -> None:
-        request = admin_pb2.RevokeApiKeyRequest(key_id=key_id)
-        self._unary(self._admin.RevokeApiKey, request)
+        """Revoke a key: calls made with it are refused from now on. Raises
+        `ApiKeyNotFoundError`."""
+        self._call(calls.revoke_api_key(key_id))
 
     def set_acl(self, key_id: str, permissions: Iterable[AclPermission | str]) -> None:
-        """Replace the key's permissions; strings are "kind:pattern"."""
-        self._unary(self._admin.SetAcl, set_acl_request(key_id, permissions))
+        """Replace the key's permissions; strings are "kind:pattern" (e.g.
+        "produce:orders.*"). Raises `ValueError` for a malformed string,
+        `ApiKeyNotFoundError`, or `InvalidArgumentError` for an unknown kind."""
+        self._call(calls.set_acl(key_id, permissions))
 
     def get_acl(self, key_id: str) -> Acl:
-        request = admin_pb2.GetAclRequest(key_id=key_id)
-        return Acl.from_proto(self._unary(self._admin.GetAcl, request))
-
-
-def _count(value: int | None, what: str) -> int:
-    """An optional positive count for the wire (0 = the broker's default)."""
-    if value is None:
-        return 0
-    if value < 1:
-        raise ValueError(f"{what} must be at least 1, got {value}")
-    return value
+        """The key's permissions. Raises `ApiKeyNotFoundError`."""
+        return self._call(calls.get_acl(key_id))

@@ -27,11 +27,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Final
+from typing import Final, Self
 
 import grpc
 import grpc.aio
 
+from ._channel import Settings
 from .errors import BrokerUnreachableError, ClientClosedError, FilaError
 
 log = logging.getLogger("fila_sdk")
@@ -98,6 +99,11 @@ class Reconnector:
         self._attempt = 0
         self._last: FilaError | None = None
 
+    @classmethod
+    def of(cls, what: str, settings: Settings) -> Self:
+        """A consumer's, with the client's address and `reconnect_timeout`."""
+        return cls(what, settings.target, settings.reconnect_timeout)
+
     @property
     def backing_off(self) -> bool:
         return self._attempt > 0
@@ -150,9 +156,27 @@ class Reconnector:
         log.error("%s", error)
         return error
 
-    async def wait_async(self, error: FilaError, probe: AsyncProbe) -> None:
-        """Backs off after `error`, then waits until `probe` reaches the broker, or
-        raises `BrokerUnreachableError` when `reconnect_timeout` runs out first."""
+    async def wait_async(self, error: FilaError, probe: AsyncProbe, *stops: asyncio.Event) -> bool:
+        """Backs off after `error`, then waits until `probe` reaches the broker: True
+        then, False as soon as one of `stops` is set (the client closed, the worker
+        stopped); raises `BrokerUnreachableError` when `reconnect_timeout` runs out
+        first."""
+        if any(stop.is_set() for stop in stops):
+            return False
+        waiting = asyncio.ensure_future(self._wait_async(error, probe))
+        tasks = [waiting, *(asyncio.ensure_future(stop.wait()) for stop in stops)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if any(stop.is_set() for stop in stops):
+            return False
+        waiting.result()  # raises BrokerUnreachableError when it gave up
+        return True
+
+    async def _wait_async(self, error: FilaError, probe: AsyncProbe) -> None:
         await asyncio.sleep(self.failed(error))
         while True:
             remaining = self.remaining()
