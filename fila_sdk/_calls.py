@@ -276,7 +276,22 @@ def update_queue(
     max_attempts: int | None,
     retry_backoff: str | None,
 ) -> Call[admin_pb2.UpdateQueueResponse, QueueConfig]:
-    """Only the arguments given (not None) change; "" clears a script."""
+    request = update_queue_request(
+        name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
+    )
+    return Call(request, lambda response: QueueConfig.from_proto(response.config))
+
+
+def update_queue_request(
+    name: str,
+    on_enqueue: str | None,
+    on_failure: str | None,
+    visibility_timeout_ms: int | None,
+    max_attempts: int | None,
+    retry_backoff: str | None,
+) -> admin_pb2.UpdateQueueRequest:
+    """Only the arguments given (not None) change; "" clears a script. (The dashboard
+    sends this request too.)"""
     given = {
         "on_enqueue_script": on_enqueue,
         "on_failure_script": on_failure,
@@ -287,12 +302,11 @@ def update_queue(
     changes = {field: value for field, value in given.items() if value is not None}
     if not changes:
         raise ValueError("update_queue: give at least one setting to change")
-    request = admin_pb2.UpdateQueueRequest(
+    return admin_pb2.UpdateQueueRequest(
         queue=name,
         config=admin_pb2.QueueConfig(**changes),  # type: ignore[arg-type]
         update_mask=list(changes),
     )
-    return Call(request, lambda response: QueueConfig.from_proto(response.config))
 
 
 def list_queues() -> Call[admin_pb2.ListQueuesResponse, list[QueueInfo]]:

@@ -3,8 +3,9 @@
 The dashboard is a separate process on purpose: it sees exactly what any operator's
 client sees, sends its own API key (so the broker's ACLs apply to it), and never
 hands that key to a browser. Connection settings and error mapping come from
-`fila_sdk._channel`, so TLS, mTLS and the `authorization` metadata behave as in the
-CLI and the SDK.
+`fila_sdk._channel` (and `UpdateQueue`'s request from `fila_sdk._calls`), so TLS,
+mTLS, the `authorization` metadata and partial updates behave as in the CLI and the
+SDK.
 
 Every call has a short deadline and does not wait for the channel to be ready: a
 page must render with a "broker unreachable" banner in about a second, not hang
@@ -22,12 +23,8 @@ import grpc
 import grpc.aio
 
 from fila.v1 import admin_pb2, admin_pb2_grpc
-from fila_sdk._channel import (
-    CHANNEL_OPTIONS,
-    Settings,
-    map_rpc_error,
-    update_queue_request,
-)
+from fila_sdk._calls import update_queue_request
+from fila_sdk._channel import CHANNEL_OPTIONS, Settings, map_rpc_error
 
 _RECONNECT_OPTIONS: Final = (
     ("grpc.initial_reconnect_backoff_ms", 200),
