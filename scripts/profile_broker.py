@@ -8,6 +8,10 @@ MODE is the load, from this process:
 - `unary50`: 50 connections, one unary `Enqueue` of 256 B in flight on each (the
   one-message-per-call design the echo ceiling measures);
 - `sdk50`: the same through 50 `AsyncClient`s, whose `enqueue` rides `StreamEnqueue`;
+- `unary1`, `sdk1`: as `unary50` and `sdk50` on one connection (the round trip);
+- `unary_lifecycle`: one connection enqueuing with unary `Enqueue` while another
+  consumes with `Consume` and acks each message with unary `Ack`, one at a time (the
+  published clients' way);
 - `batch`: four loops of `EnqueueBatch` with 100 messages of 1 KiB;
 - `drain`: a backlog preloaded with `batch`, drained by one `StreamConsume` stream
   (max_batch 100, prefetch 1,000) acking on the stream.
@@ -53,8 +57,8 @@ async def _create_queue(addr: str) -> None:
                 raise
 
 
-async def _unary50(addr: str, end: float) -> int:
-    channels = [grpc.aio.insecure_channel(addr, options=LOCAL_POOL) for _ in range(50)]
+async def _unary50(addr: str, end: float, connections: int = 50) -> int:
+    channels = [grpc.aio.insecure_channel(addr, options=LOCAL_POOL) for _ in range(connections)]
     request = service_pb2.EnqueueRequest(queue=QUEUE, payload=b"x" * 256)
     sent = 0
 
@@ -70,8 +74,8 @@ async def _unary50(addr: str, end: float) -> int:
     return sent
 
 
-async def _sdk50(addr: str, end: float) -> int:
-    clients = [AsyncClient(addr, channel_options=LOCAL_POOL) for _ in range(50)]
+async def _sdk50(addr: str, end: float, connections: int = 50) -> int:
+    clients = [AsyncClient(addr, channel_options=LOCAL_POOL) for _ in range(connections)]
     sent = 0
 
     async def loop(client: AsyncClient) -> None:
@@ -125,7 +129,53 @@ async def _drain(addr: str, end: float) -> int:
     return received
 
 
-LOADS = {"unary50": _unary50, "sdk50": _sdk50, "batch": _batch, "drain": _drain}
+async def _unary1(addr: str, end: float) -> int:
+    return await _unary50(addr, end, 1)
+
+
+async def _sdk1(addr: str, end: float) -> int:
+    return await _sdk50(addr, end, 1)
+
+
+async def _unary_lifecycle(addr: str, end: float) -> int:
+    """Unary Enqueue on one connection; Consume and unary Ack on another."""
+    producer = grpc.aio.insecure_channel(addr, options=LOCAL_POOL)
+    consumer = grpc.aio.insecure_channel(addr, options=LOCAL_POOL)
+    request = service_pb2.EnqueueRequest(queue=QUEUE, payload=b"x" * 1024)
+    acked = 0
+
+    async def produce() -> None:
+        stub = service_pb2_grpc.FilaServiceStub(producer)
+        while time.monotonic() < end:
+            await stub.Enqueue(request)
+
+    async def consume() -> None:
+        nonlocal acked
+        stub = service_pb2_grpc.FilaServiceStub(consumer)
+        call = stub.Consume(service_pb2.ConsumeRequest(queue=QUEUE))
+        async for response in call:
+            if response.message.id:
+                await stub.Ack(service_pb2.AckRequest(queue=QUEUE, message_id=response.message.id))
+                acked += 1
+            if time.monotonic() > end:
+                break
+        call.cancel()
+
+    await asyncio.gather(produce(), consume())
+    for channel in (producer, consumer):
+        await channel.close(None)
+    return acked
+
+
+LOADS = {
+    "unary50": _unary50,
+    "sdk50": _sdk50,
+    "unary1": _unary1,
+    "sdk1": _sdk1,
+    "unary_lifecycle": _unary_lifecycle,
+    "batch": _batch,
+    "drain": _drain,
+}
 
 
 def _summary(raw: Path, top: int) -> str:

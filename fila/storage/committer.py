@@ -24,6 +24,28 @@ change, so it stops rather than serve state the disk does not have.
 Every answer waits on the fsync thread, so it runs above the rest of the broker
 (15 nice levels by default, `storage.fsync_priority_boost`) where the system allows
 it: see fila.storage.thread_priority.
+
+At light load the thread costs more than it saves: handing a sync to it wakes it
+(and it must then win the GIL from the loop), and handing the outcome back wakes the
+loop through its self-pipe, two wake-ups per commit on the path of a one-in-flight
+round trip. So when a single small batch waits, no sync is running, and nothing else
+is runnable on the loop, the loop fsyncs it itself (`_sync_when_idle`):
+`flush_wal(True)` releases the GIL, so gRPC's threads keep moving meanwhile, and
+nothing on the loop was waiting to run. A sync that has lately been slow (a disk
+busy with a compaction) is never run inline, so a slow disk cannot stall the loop;
+with other work runnable the sync goes to the thread as before.
+
+The path of a write, in order (the hooks a replicating committer would add sit at
+the marked points):
+
+1. `put`/`delete` add to the open `Batch` (one per loop turn) and `flushed()` hands
+   out the future shared by everything in it; [a write names its queue here];
+2. `_write_batch` (end of the turn) appends the batch to the WAL, unsynced, and
+   queues its waiters (`_Waiters`) as unsynced;
+3. `_start_sync` picks where the fsync runs: inline when idle, else the thread;
+4. `_sync_done` on the loop resolves every waiter the sync covered, oldest first
+   (`_Waiters.succeed`: after-commit callbacks, then the future);
+   [a gate on the future, e.g. a replica's acknowledgement, goes here].
 """
 
 from __future__ import annotations
@@ -37,10 +59,19 @@ from collections.abc import Callable
 
 from fila.config import PersistMode
 from fila.storage.backend import Batch, Storage, StorageError
+from fila.storage.recent import RecentRecords
 from fila.storage.thread_priority import raise_current_thread
 from fila.telemetry.histogram import FSYNC_BOUNDS_S, FixedHistogram
 
 log = logging.getLogger("fila.storage")
+
+# Inline syncs (see the module docstring): at most this many operations waiting, a
+# last sync no slower than this, and at most this many other callbacks ready on the
+# loop, let through for at most `_IDLE_HOPS` turns before the thread takes the sync.
+INLINE_MAX_OPS = 64
+INLINE_MAX_SYNC_S = 0.002
+_IDLE_MAX_READY = 4
+_IDLE_HOPS = 3
 
 
 class Committer:
@@ -52,10 +83,19 @@ class Committer:
         mode: PersistMode,
         on_failure: Callable[[StorageError], None],
         fsync_priority_boost: int = 0,
+        *,
+        inline_sync: bool = True,
+        recent_bytes: int = 0,
     ) -> None:
+        """`inline_sync`: let the loop fsync a lone small batch itself when idle (see
+        the module docstring); off, every sync runs on the fsync thread.
+        `recent_bytes`: the budget of `recent`, message records kept for delivery
+        (`fila.storage.recent`); 0 keeps none."""
         self._storage = storage
+        self.recent = RecentRecords(recent_bytes)
         self._sync = mode == "sync"
         self._fsync_priority_boost = fsync_priority_boost
+        self._inline = inline_sync
         self._on_failure = on_failure
         self._batch = Batch()
         self._ops = 0
@@ -65,23 +105,28 @@ class Committer:
         self._failed: StorageError | None = None
         # Written to the WAL but not yet fsynced, oldest first; and whether a sync runs.
         self._unsynced: list[_Waiters] = []
+        self._unsynced_ops = 0
         self._syncing = False
+        self._last_sync_s = 0.0
         self._sync_requests: queue.SimpleQueue[_SyncRequest | None] = queue.SimpleQueue()
         self._fsync_thread: threading.Thread | None = None  # started by the first sync
         self._closed = False
         self.batches_written = 0
         self.ops_written = 0
         self.syncs = 0
+        self.inline_syncs = 0  # of `syncs`, those the loop ran itself
         # Seconds each WAL fsync took (fila.storage.fsync.duration), recorded where the
         # fsync runs (the fsync thread; the loop at recovery and shutdown).
         self.fsync_seconds = FixedHistogram(FSYNC_BOUNDS_S)
 
     def put(self, key: bytes, value: bytes) -> None:
         self._batch.put(key, value)
+        self.recent.wrote(key, value)
         self._touch()
 
     def delete(self, key: bytes) -> None:
         self._batch.delete(key)
+        self.recent.deleted(key)
         self._touch()
 
     def flushed(self) -> asyncio.Future[None]:
@@ -154,22 +199,62 @@ class Committer:
             waiters.succeed()
         elif waiters:
             self._unsynced.append(waiters)
+            self._unsynced_ops += ops
             if start_sync and not self._syncing:
                 self._start_sync()
 
     def _start_sync(self) -> None:
-        """Fsyncs the WAL on a thread: flush_wal releases the GIL, so the loop keeps serving
-        and whatever arrives meanwhile forms the next group.
+        """Starts the fsync of everything unsynced: on the loop once it is idle, when
+        the module docstring's conditions hold, else on the fsync thread."""
+        self._syncing = True
+        if self._inline_allowed() and not self._closed:
+            self._sync_when_idle(0)
+        else:
+            self._to_thread(self._take_unsynced())
+
+    def _inline_allowed(self) -> bool:
+        return (
+            self._inline
+            and len(self._unsynced) == 1
+            and self._unsynced_ops <= INLINE_MAX_OPS
+            and self._last_sync_s <= INLINE_MAX_SYNC_S
+        )
+
+    def _sync_when_idle(self, hops: int) -> None:
+        """Fsyncs on the loop if nothing else is runnable on it; lets the few callbacks
+        that are (the rest of this turn's answers and reads) run first, for at most
+        `_IDLE_HOPS` turns; a busier loop hands the sync to the thread. Batches written
+        meanwhile are in the WAL already and join this sync."""
+        loop = asyncio.get_running_loop()
+        # asyncio keeps the callbacks ready to run in `_ready`; a loop without one
+        # (another implementation) never syncs inline.
+        ready = getattr(loop, "_ready", None)
+        runnable = len(ready) if ready is not None else _IDLE_MAX_READY + 1
+        if runnable and runnable <= _IDLE_MAX_READY and hops < _IDLE_HOPS:
+            loop.call_soon(self._sync_when_idle, hops + 1)
+            return
+        covered = self._take_unsynced()
+        if not covered:  # flush_now synced them meanwhile
+            self._syncing = False
+            return
+        if runnable or self._closed or self._failed is not None:
+            self._to_thread(covered)
+            return
+        self.inline_syncs += 1
+        self._sync_done(covered, self._fsync())
+
+    def _to_thread(self, covered: list[_Waiters]) -> None:
+        """Fsyncs the WAL on the thread: flush_wal releases the GIL, so the loop keeps
+        serving and whatever arrives meanwhile forms the next group.
 
         The thread is our own, fed by a `SimpleQueue` and answering with one
         `call_soon_threadsafe`, rather than an executor: `run_in_executor`'s two chained
         futures cost the saturated core measurable time per message (docs/benchmarks.md),
         for nothing a single worker needs."""
-        covered = self._take_unsynced()
         if self._closed:
+            self._syncing = False
             self._finish_sync(covered, StorageError("WAL sync asked for after shutdown"))
             return
-        self._syncing = True
         if self._fsync_thread is None:
             self._fsync_thread = threading.Thread(
                 target=self._sync_loop, name="fila-fsync", daemon=True
@@ -211,7 +296,9 @@ class Committer:
         except StorageError as exc:
             return exc
         finally:
-            self.fsync_seconds.record(time.perf_counter() - started)
+            took = time.perf_counter() - started
+            self._last_sync_s = took
+            self.fsync_seconds.record(took)
         return None
 
     def _sync_done(self, covered: list[_Waiters], error: StorageError | None) -> None:
@@ -232,6 +319,7 @@ class Committer:
 
     def _take_unsynced(self) -> list[_Waiters]:
         taken, self._unsynced = self._unsynced, []
+        self._unsynced_ops = 0
         return taken
 
     def _fail(self, exc: StorageError) -> None:
