@@ -152,6 +152,9 @@ class StorageSection:
     # Nice levels the WAL fsync thread runs above the rest of the broker (nice values
     # span 40 levels); see fila.storage.thread_priority.
     fsync_priority_boost: Annotated[int, AtLeast(0), AtMost(39)] = 15
+    # Message records kept in memory from their write to their delivery, so a delivery
+    # need not read them back (fila.storage.recent); 0 keeps none.
+    recent_records_bytes: Annotated[int, AtLeast(0)] = 32 * MiB
 
 
 @dataclass(frozen=True, slots=True)

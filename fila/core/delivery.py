@@ -3,8 +3,9 @@
 Consumers with room sit in their queue's `ConsumerRing` and are served
 round-robin; each pick is the DRR's next message whose throttle keys have
 tokens. A key whose head is throttled is parked and the queue is woken when its
-tokens can be there. A delivery reads the stored record from storage and buffers
-it for the consumer's stream; the stream takes what is buffered (up to its
+tokens can be there. A delivery takes the message's record (kept in memory since its
+write, or read from storage: `CoreState.take_record`) and buffers it for the
+consumer's stream; the stream takes what is buffered (up to its
 `max_batch`), `sending` records those leases (one WAL append per frame) and
 returns the frame to write, and `sent` gives its bytes back once the write returns.
 """
@@ -156,7 +157,7 @@ class Delivery:
             ref = drr.pick(has_tokens)
             if ref is None:
                 break
-            record = self.state.read_record(ref.key)
+            record = self.state.take_record(ref.key)
             if record is None:  # cannot happen while the ready-after-commit rule holds
                 log.error(
                     "ready message has no stored record", extra={"id": ref.id, "queue": queue.name}

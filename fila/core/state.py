@@ -12,7 +12,9 @@ What the parts share is here, in one place each:
   once the write that produced its current record is committed, so a consumer never
   sees a message the broker could forget, and delivery can always read it back;
 - delays (`delay`, `release_delayed`), stored and released on the clock;
-- record reads (`read_record`), where a storage failure stops the broker;
+- record reads (`read_record`), where a storage failure stops the broker, and a
+  delivery's (`take_record`), which takes the record the committer kept since its
+  write where it did, instead of reading it back;
 - the enqueue decision (`decide_enqueue`: the `on_enqueue` hook, throttle keys shared);
 - the dirty set: queues to pump at the end of this loop turn. The pump itself is
   `Delivery.pump`, handed in once by the facade (`pump`): the one call from here up.
@@ -209,6 +211,12 @@ class CoreState:
         self.mark_dirty(queue)
 
     # -- records and decisions ---------------------------------------------------------
+
+    def take_record(self, key: bytes) -> bytes | None:
+        """A message's record for its delivery: kept since its write if the committer
+        kept it (`fila.storage.recent`, given up now), else read from storage."""
+        record = self.committer.recent.take(key)
+        return record if record is not None else self.read_record(key)
 
     def read_record(self, key: bytes) -> bytes | None:
         """A stored record; a read that fails its checksum stops the broker."""

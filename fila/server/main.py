@@ -211,6 +211,7 @@ def _open_committer(
         config.storage.persist_mode,
         run.storage_failed,
         fsync_priority_boost=config.storage.fsync_priority_boost,
+        recent_bytes=config.storage.recent_records_bytes,
     )
 
     def close() -> None:

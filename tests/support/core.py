@@ -317,10 +317,12 @@ def make_core(
     """A broker over memory; call inside a running event loop. `queues` are created
     with a visibility timeout of 1000 ms, no attempt limit and immediate retries (the
     retry policy of queues created before it existed), so tests of other concerns see a
-    nack come back at once; `random` is the retry jitter's draw (0.5: no jitter)."""
+    nack come back at once; `random` is the retry jitter's draw (0.5: no jitter).
+    Syncs run on the fsync thread (never inline), so a test can hold one there; the
+    committer keeps message records for delivery as fila-server's default does."""
     storage = MemoryStorage()
     clock = ManualClock()
-    committer = Committer(storage, persist_mode, lambda exc: None)  # type: ignore[arg-type]
+    committer = _committer(storage, persist_mode, config)
     broker = Broker(
         storage,
         committer,
@@ -336,6 +338,16 @@ def make_core(
     return CoreBroker(broker, storage, clock, committer, random)
 
 
+def _committer(storage: MemoryStorage, persist_mode: str, config: Config | None) -> Committer:
+    return Committer(
+        storage,
+        persist_mode,  # type: ignore[arg-type]
+        lambda exc: None,
+        inline_sync=False,
+        recent_bytes=(config or Config()).storage.recent_records_bytes,
+    )
+
+
 def restarted(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroker, RecoveryReport]:
     """A new broker over the same storage and clock, rebuilt by recovery (a restart).
 
@@ -344,7 +356,7 @@ def restarted(core: CoreBroker, config: Config | None = None) -> tuple[CoreBroke
     was down expire on the timers' first run, as in fila-server: call `settle()` before
     looking at what they became."""
     core.committer.flush_now()
-    committer = Committer(core.storage, "buffer", lambda exc: None)  # type: ignore[arg-type]
+    committer = _committer(core.storage, "buffer", config)
     broker = Broker(
         core.storage,
         committer,
