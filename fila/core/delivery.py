@@ -15,6 +15,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import logging
+import math
 from typing import TYPE_CHECKING
 
 from fila.core.consumers import Consumer
@@ -190,7 +191,9 @@ class Delivery:
         wakes = queue.throttle_wakes
         for key in keys:
             wait_s = throttles.seconds_until_available(key.head_throttle_keys())
-            heapq.heappush(wakes, (now + max(1, int(wait_s * 1000) + 1), next(_wake_seq), key))
+            # the first millisecond at which the token is there, not the one after it
+            wait_ms = max(1, math.ceil(wait_s * 1000 - 1e-6))
+            heapq.heappush(wakes, (now + wait_ms, next(_wake_seq), key))
         self._arm_throttle_wake(queue)
 
     def _arm_throttle_wake(self, queue: Queue) -> None:

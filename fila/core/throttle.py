@@ -24,23 +24,32 @@ MAX_BURST = 1e9
 # keys; refusals of keys beyond it are counted under OTHER_KEYS, so a million tenants
 # cannot make a million metric series.
 MAX_COUNTED_KEYS = 1000
+# A token is whole a hair below 1.0: elapsed * rate in floating point can land just
+# under a whole token at the very moment it is due, and waiting another tick for it
+# would pace every token of a burst-1 bucket a tick late.
+_WHOLE_TOKEN = 1.0 - 1e-9
+_NS = 1e9
 OTHER_KEYS = "other"
 
 
 class TokenBucket:
-    __slots__ = ("burst", "rate", "tokens", "updated_s")
+    """Tokens refilled by elapsed time, counted in whole nanoseconds (`Clock.now_ns`): a
+    difference of seconds-since-1970 floats is off by up to a few tenths of a
+    microsecond, enough to leave a token just short when it is due."""
 
-    def __init__(self, rate: float, burst: float, now_s: float) -> None:
+    __slots__ = ("burst", "rate", "tokens", "updated_ns")
+
+    def __init__(self, rate: float, burst: float, now_ns: int) -> None:
         self.rate = rate
         self.burst = burst
         self.tokens = burst
-        self.updated_s = now_s
+        self.updated_ns = now_ns
 
-    def refill(self, now_s: float) -> float:
-        elapsed = now_s - self.updated_s
+    def refill(self, now_ns: int) -> float:
+        elapsed = now_ns - self.updated_ns
         if elapsed > 0:
-            self.tokens = min(self.burst, self.tokens + elapsed * self.rate)
-            self.updated_s = now_s
+            self.tokens = min(self.burst, self.tokens + elapsed * self.rate / _NS)
+            self.updated_ns = now_ns
         return self.tokens
 
 
@@ -84,7 +93,7 @@ class Throttles:
 
     def configure(self, key: str, rate: float, burst: float) -> None:
         """Creates a full bucket, or retunes an existing one keeping its tokens (capped)."""
-        now = self._clock.now_s()
+        now = self._clock.now_ns()
         bucket = self._buckets.get(key)
         if bucket is None:
             self._buckets[key] = TokenBucket(rate, burst, now)
@@ -106,13 +115,13 @@ class Throttles:
         buckets = self._buckets
         if not buckets:
             return True
-        now = self._clock.now_s()
+        now = self._clock.now_ns()
         found: list[TokenBucket] = []
         for key in keys:
             bucket = buckets.get(key)
             if bucket is None:
                 continue
-            if bucket.refill(now) < 1.0:
+            if bucket.refill(now) < _WHOLE_TOKEN:
                 self._count_limited(key)
                 return False
             found.append(bucket)
@@ -128,20 +137,20 @@ class Throttles:
 
     def seconds_until_available(self, keys: Iterable[str]) -> float:
         """How long until every bucketed key in `keys` holds a whole token."""
-        now = self._clock.now_s()
+        now = self._clock.now_ns()
         wait = 0.0
         for key in keys:
             bucket = self._buckets.get(key)
             if bucket is None:
                 continue
-            missing = 1.0 - bucket.refill(now)
+            missing = _WHOLE_TOKEN - bucket.refill(now)
             if missing > 0:
                 wait = max(wait, missing / bucket.rate)
         return wait
 
     def stats(self, keys: set[str] | None = None) -> list[ThrottleStats]:
         """Every bucket, or those of `keys`, by key."""
-        now = self._clock.now_s()
+        now = self._clock.now_ns()
         buckets = self._buckets
         names = sorted(buckets if keys is None else keys & buckets.keys())
         return [

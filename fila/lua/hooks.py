@@ -159,8 +159,8 @@ class _NoClock:
     def now_ms(self) -> int:
         return 0
 
-    def now_s(self) -> float:
-        return 0.0
+    def now_ns(self) -> int:
+        return 0
 
 
 _NO_CLOCK = _NoClock()

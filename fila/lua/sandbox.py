@@ -33,8 +33,8 @@ from fila.lua.script_log import PRINT_MAX_BYTES, ScriptLog
 
 # What sandbox.lua raises when a call runs out of its CPU budget.
 BUDGET_EXHAUSTED = b"CPU budget exhausted"
-# A call that held its thread this many budgets (wall time, at least MIN_STALL_S) fails
-# even if it finished: see `_call`. Far above any budget a host's scheduling adds to.
+# A call that held its thread this many budgets (at least MIN_STALL_S) where the budget
+# is never checked fails even if it finished: see `_call`.
 STALL_BUDGETS = 10
 MIN_STALL_S = 0.1
 # the largest script accepted; compiling is one C call the budget cannot interrupt
@@ -106,9 +106,16 @@ class LuaSandbox:
         memory_limit_bytes: int,
         config_get: Callable[[str], str | None],
         script_log: ScriptLog | None = None,
+        wall_clock: Callable[[], float] = time.perf_counter,
+        thread_clock: Callable[[], float] = time.thread_time,
     ) -> None:
+        """`wall_clock` and `thread_clock` (the calling thread's CPU time, which the
+        budget is charged to) are for tests."""
+        self._wall_clock = wall_clock
+        self._thread_clock = thread_clock
         self._budget_s = timeout_ms / 1000.0
         self._stall_s = max(STALL_BUDGETS * self._budget_s, MIN_STALL_S)
+        self._suspect = False  # the last call held its thread past the stall bound
         runtime = lua54.LuaRuntime(
             max_memory=0,
             encoding=None,
@@ -143,7 +150,7 @@ class LuaSandbox:
             runtime.compile(_PATTERNS, name=b"=fila.patterns", mode=b"b"),
             runtime.compile(_STRINGS, name=b"=fila.strings", mode=b"b"),
             gate.arm,
-            time.thread_time,
+            thread_clock,
             get,
             log.emit,
             self._budget_s,
@@ -219,20 +226,28 @@ class LuaSandbox:
         return (True, action.decode(), delay_ms)
 
     def _call(self, entry_point: Any, *args: Any) -> Outcome:
-        started = time.perf_counter()
+        """Runs an entry point. A call can hold its thread long where the budget is never
+        checked (one instruction can: a chain of __call metamethods is followed inside
+        one OP_CALL) and finish before the next check; failing such calls lets the
+        breaker stop a script that does it every time. Wall time alone cannot tell that
+        from a short call whose thread waited for a CPU (a loaded host, a busy GIL), and
+        reading the thread's CPU clock twice per call costs a large share of a small
+        hook (docs/benchmarks.md). So a call that held its thread past the stall bound
+        makes the next call of this state measure its own CPU time, and a measured call
+        over the bound fails: a script that stalls every time fails from its second
+        call on, and a descheduled one never does."""
+        measured = self._suspect
+        clock = self._thread_clock if measured else self._wall_clock
+        started = clock()
         try:
             result = entry_point(*args)
         finally:
             self._gate.lift()
+        held = clock() - started
         if not isinstance(result, tuple):
             result = (result,)
-        if result[0] is True and time.perf_counter() - started > self._stall_s:
-            # It ran long where the budget is never checked (one instruction can: a chain
-            # of __call metamethods is followed inside one OP_CALL) and finished before
-            # the next check. Failing it lets the breaker stop a script that does it every
-            # time. Wall time, not the thread's CPU time: reading that clock twice per
-            # call cost a large share of a small hook (docs/benchmarks.md); hence the
-            # margin.
+        self._suspect = held > self._stall_s
+        if result[0] is True and measured and self._suspect:
             result = (False, BUDGET_EXHAUSTED)
         if result[0] is not True:
             # free what the failed call left, so the next call gets the whole cap

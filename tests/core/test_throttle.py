@@ -82,13 +82,6 @@ async def test_a_bucket_of_20_per_second_and_burst_5_lets_5_out_at_once_then_one
     _assert_paced(times[5:], 20)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a parked key is woken at int(wait_ms) + 1, a whole millisecond after its "
-    "token when the wait is a whole number of ms, and a bucket of burst 1 is full by "
-    "then, so it loses that millisecond's tokens: each token comes 1 ms late "
-    "(1000/s with burst 1 delivers 500/s)",
-)
 @run_async
 async def test_a_bucket_of_burst_1_paces_its_key_at_its_rate() -> None:
     core = make_core()
