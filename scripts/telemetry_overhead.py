@@ -366,6 +366,7 @@ def micro() -> None:
     from prometheus_client import CollectorRegistry
 
     from fila.core.records import MessageRef
+    from fila.telemetry.histogram import LOOP_LAG_BOUNDS_S, FixedHistogram
     from fila.telemetry.prometheus import PrometheusExposition, negotiate
     from fila.v1 import service_pb2 as s
 
@@ -402,7 +403,9 @@ def micro() -> None:
 
     for queues in (10, 100, 1000, 5000):
         core = asyncio.run(build(queues))
-        exposition = PrometheusExposition(core.broker, core.committer, CollectorRegistry())
+        exposition = PrometheusExposition(
+            core.broker, core.committer, CollectorRegistry(), FixedHistogram(LOOP_LAG_BOUNDS_S)
+        )
         fmt = negotiate(None)
         exposition.render(fmt)  # warm up
         times = []

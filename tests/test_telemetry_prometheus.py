@@ -48,6 +48,7 @@ from fila.telemetry.endpoint import (
     REQUEST_TIMEOUT_S,
     MetricsEndpoint,
 )
+from fila.telemetry.histogram import LOOP_LAG_BOUNDS_S, FixedHistogram
 from fila.telemetry.metrics import SCOPE, BrokerMetrics
 from fila.telemetry.prometheus import Format, PrometheusExposition, TargetInfo, negotiate
 from fila.v1 import admin_pb2, admin_pb2_grpc
@@ -89,9 +90,9 @@ class _OpenTelemetryReader(PrometheusMetricReader):
 class _Both:
     """One in-process broker exposed both ways."""
 
-    def __init__(self, core: CoreBroker) -> None:
+    def __init__(self, core: CoreBroker, loop_lag: FixedHistogram) -> None:
         resource = Resource.create({"service.name": "fila", "service.version": "0.1.0"})
-        metrics = BrokerMetrics(core.broker, core.committer)
+        metrics = BrokerMetrics(core.broker, core.committer, loop_lag)
         self.reference = CollectorRegistry()
         self._provider = MeterProvider(
             resource=resource,
@@ -101,7 +102,7 @@ class _Both:
         metrics.register(self._provider.get_meter(SCOPE))
         registry = CollectorRegistry()
         registry.register(TargetInfo(resource))
-        self.exposition = PrometheusExposition(core.broker, core.committer, registry)
+        self.exposition = PrometheusExposition(core.broker, core.committer, registry, loop_lag)
 
     def close(self) -> None:
         self._provider.shutdown()
@@ -132,7 +133,10 @@ def workload() -> Iterator[_Both]:
     core.broker.throttles.limited.update({"slow": 3, 'we"ird\\key\nx': 2_500_000, "": 1})
     for seconds in (0.00003, 0.0004, 0.02, 3.5, 99.0):
         core.committer.fsync_seconds.record(seconds)
-    both = _Both(core)
+    loop_lag = FixedHistogram(LOOP_LAG_BOUNDS_S)
+    for seconds in (0.0, 0.0007, 0.003, 0.06, 0.3, 7.0, 120.0):
+        loop_lag.record(seconds)
+    both = _Both(core, loop_lag)
     yield both
     both.close()
 

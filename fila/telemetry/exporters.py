@@ -7,6 +7,8 @@
   the endpoint's threads, one at a time, shared by the scrapes that arrive during it.
 - `otlp_endpoint` set: metrics pushed over OTLP/gRPC every `metrics_interval_ms`, and
   the tracing interceptor, whose spans are batched and pushed to the same endpoint.
+- either: the loop-lag probe (`fila.telemetry.loop_lag`), a callback on the event
+  loop twenty times a second, whose histogram both exporters read.
 - neither: no provider, no thread, no socket; the broker behaves as without telemetry.
 
 Every export runs on a thread of its own (the OTLP reader's ticker, the span batcher,
@@ -19,6 +21,7 @@ time to send what it holds, then abandons it.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import logging
 import threading
@@ -42,6 +45,7 @@ from fila import __version__
 from fila.config import TelemetrySection
 from fila.core.throttle import MAX_COUNTED_KEYS
 from fila.telemetry.endpoint import MetricsEndpoint
+from fila.telemetry.loop_lag import LoopLag
 from fila.telemetry.metrics import SCOPE, BrokerMetrics, cardinality_limit
 from fila.telemetry.prometheus import PrometheusExposition, TargetInfo
 from fila.telemetry.tracing import TracingInterceptor
@@ -125,10 +129,12 @@ class Telemetry:
         meters: MeterProvider,
         tracer_provider: TracerProvider | None,
         prometheus: MetricsEndpoint | None,
+        loop_lag: LoopLag | None = None,
     ) -> None:
         self._meters = meters
         self._tracer_provider = tracer_provider
         self._prometheus = prometheus
+        self._loop_lag = loop_lag
         self.interceptors: list[grpc.aio.ServerInterceptor] = []  # type: ignore[type-arg]
         if tracer_provider is not None:
             tracer = tracer_provider.get_tracer(SCOPE, __version__)
@@ -141,7 +147,8 @@ class Telemetry:
         resource = Resource.create(
             {SERVICE_NAME: section.service_name, SERVICE_VERSION: __version__}
         )
-        metrics = BrokerMetrics(broker, committer)
+        loop_lag = LoopLag()
+        metrics = BrokerMetrics(broker, committer, loop_lag.seconds)
 
         def augment(data: MetricsData) -> MetricsData:
             return metrics.with_histograms(data, resource)
@@ -156,7 +163,7 @@ class Telemetry:
             registry.register(_FrozenObjects())
             registry.register(TargetInfo(resource))
             # Not an OpenTelemetry reader: see fila.telemetry.prometheus for why.
-            exposition = PrometheusExposition(broker, committer, registry)
+            exposition = PrometheusExposition(broker, committer, registry, loop_lag.seconds)
         tracer_provider = None
         if section.otlp_endpoint:
             endpoint, insecure = otlp_target(section.otlp_endpoint)
@@ -181,7 +188,8 @@ class Telemetry:
                     f"cannot serve Prometheus metrics on {section.prometheus_listen}: "
                     f"{exc.strerror or exc}; set telemetry.prometheus_listen"
                 ) from None
-        return cls(meters, tracer_provider, prometheus)
+        loop_lag.start(asyncio.get_running_loop())
+        return cls(meters, tracer_provider, prometheus, loop_lag)
 
     def shutdown(self) -> None:
         """Stops every exporter, giving each `SHUTDOWN_TIMEOUT_S` to send what it holds.
@@ -189,6 +197,8 @@ class Telemetry:
         The span batcher's shutdown waits for its last export however long the exporter
         retries, so it runs on a helper thread that is waited for with a timeout and,
         being a daemon, cannot hold the process up past that."""
+        if self._loop_lag is not None:
+            self._loop_lag.stop()
         if self._prometheus is not None:
             self._prometheus.stop(SHUTDOWN_TIMEOUT_S)
         try:

@@ -34,6 +34,15 @@ FSYNC_BOUNDS_S: tuple[float, ...] = (
 )  # fmt: skip
 
 
+# How late the event loop ran a callback, in seconds (`fila.telemetry.loop_lag`): under
+# a millisecond when it keeps up, tens of milliseconds when busy, seconds when one call
+# holds it.
+LOOP_LAG_BOUNDS_S: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+)  # fmt: skip
+
+
 class FixedHistogram:
     """Counts of values per bucket, and their sum."""
 

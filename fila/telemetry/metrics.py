@@ -43,7 +43,7 @@ from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
 from fila.core.queue import Queue
-from fila.telemetry.histogram import HistogramSnapshot
+from fila.telemetry.histogram import FixedHistogram, HistogramSnapshot
 
 if TYPE_CHECKING:
     from fila.core.broker import Broker
@@ -93,6 +93,7 @@ THROTTLE_LIMITED = "fila.throttle.limited"
 DELIVERY_LATENCY = "fila.delivery.latency"
 FSYNC_DURATION = "fila.storage.fsync.duration"
 QUARANTINED = "fila.storage.quarantined"
+LOOP_LAG = "fila.loop.lag"
 LUA_OUTCOMES = ("ok", "failed", "bypassed")
 
 # Descriptions shared by the OTLP instruments and the Prometheus exposition
@@ -111,6 +112,10 @@ DELIVERY_LATENCY_HELP = (
     "timestamp; includes any delay_ms; retries are not counted)"
 )
 FSYNC_DURATION_HELP = "Duration of each write-ahead-log fsync"
+LOOP_LAG_HELP = (
+    "How late the event loop ran a callback due every 50 ms: the time every request "
+    "waits behind whatever holds the loop"
+)
 QUARANTINED_HELP = (
     "Stored records set aside because they do not decode (kept under their own keys, "
     "listed by fila-server --repair)"
@@ -132,9 +137,10 @@ def cardinality_limit(max_queues: int, max_throttle_keys: int) -> int:
 class BrokerMetrics:
     """The broker's instruments (`register`) and histogram points (`with_histograms`)."""
 
-    def __init__(self, broker: Broker, committer: Committer) -> None:
+    def __init__(self, broker: Broker, committer: Committer, loop_lag: FixedHistogram) -> None:
         self._broker = broker
         self._committer = committer
+        self._loop_lag = loop_lag
         self._started_ns = time.time_ns()
 
     def register(self, meter: Meter) -> None:
@@ -205,7 +211,8 @@ class BrokerMetrics:
     # -- histograms ------------------------------------------------------------------
 
     def histograms(self) -> list[Metric]:
-        """`fila.delivery.latency` per queue and `fila.storage.fsync.duration`, cumulative."""
+        """`fila.delivery.latency` per queue, `fila.storage.fsync.duration` and
+        `fila.loop.lag`, cumulative."""
         now = time.time_ns()
         started = self._started_ns
         latency = [
@@ -220,9 +227,11 @@ class BrokerMetrics:
             for queue in self._queues()
         ]
         fsync = [_point(self._committer.fsync_seconds.snapshot(), {}, started, now)]
+        lag = [_point(self._loop_lag.snapshot(), {}, started, now)]
         return [
             _histogram(DELIVERY_LATENCY, DELIVERY_LATENCY_HELP, latency),
             _histogram(FSYNC_DURATION, FSYNC_DURATION_HELP, fsync),
+            _histogram(LOOP_LAG, LOOP_LAG_HELP, lag),
         ]
 
     def with_histograms(self, data: MetricsData, resource: Resource) -> MetricsData:

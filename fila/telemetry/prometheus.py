@@ -36,12 +36,14 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from fila.core.queue import Queue
-from fila.telemetry.histogram import HistogramSnapshot
+from fila.telemetry.histogram import FixedHistogram, HistogramSnapshot
 from fila.telemetry.metrics import (
     DELIVERY_LATENCY,
     DELIVERY_LATENCY_HELP,
     FSYNC_DURATION,
     FSYNC_DURATION_HELP,
+    LOOP_LAG,
+    LOOP_LAG_HELP,
     LUA_EXECUTIONS,
     LUA_EXECUTIONS_HELP,
     MESSAGE_COUNTERS,
@@ -165,10 +167,17 @@ class PrometheusExposition:
     """Renders `/metrics`: prometheus_client's registry (process, GC, `target_info`)
     followed by the broker's families, in the negotiated format."""
 
-    def __init__(self, broker: Broker, committer: Committer, registry: CollectorRegistry) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        committer: Committer,
+        registry: CollectorRegistry,
+        loop_lag: FixedHistogram,
+    ) -> None:
         self._broker = broker
         self._committer = committer
         self._registry = registry
+        self._loop_lag = loop_lag
         self._bounds: dict[tuple[tuple[float, ...], float, str], list[str]] = {}
 
     def render(self, fmt: Format) -> list[bytes]:
@@ -243,6 +252,12 @@ class PrometheusExposition:
         out.family(_prom(FSYNC_DURATION) + "_seconds", "histogram", FSYNC_DURATION_HELP, "seconds")
         lines = []
         histogram(lines, self._committer.fsync_seconds.snapshot(), "")
+        out.lines(lines)
+
+        histogram = self._histogram(out, _prom(LOOP_LAG) + "_seconds", 1)
+        out.family(_prom(LOOP_LAG) + "_seconds", "histogram", LOOP_LAG_HELP, "seconds")
+        lines = []
+        histogram(lines, self._loop_lag.snapshot(), "")
         out.lines(lines)
 
     def _histogram(
