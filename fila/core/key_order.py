@@ -1,18 +1,17 @@
 """Message keys in order, for paging a map of them by id (PeekMessages' `after_id`).
 
 Peek shows a queue's delayed and leased messages in id order, a page at a time.
-Sorting the whole map for each page held the event loop in proportion to its size (a
-quarter of a second and more at a million delayed messages, for a page of one), so a
-large map keeps its keys in a `SortedList` beside it: a page is then a bisect and a
+Sorting the whole map for each page held the event loop in proportion to its size, so
+a large map keeps its keys in a `SortedList` beside it: a page is then a bisect and a
 walk of the page's length, whatever the size.
 
-A sorted list costs about a microsecond per insert and per removal, which a lease
-(granted and ended once per delivery) should not pay for an admin call most brokers
-never get. So the order is kept only while the map is large: it is built (one sort of
-`SORTED_FROM` keys, a millisecond) when the map grows to that size, and dropped when
-it shrinks below `UNSORTED_BELOW`; until then a page sorts the map, which is never
-larger than that. The owner of the map calls `added`, `removed` and `cleared` as it
-changes the map, and nothing else changes it.
+A sorted list costs an insert and a removal per key, which a lease (granted and ended
+once per delivery) should not pay for an admin call most brokers never get. So the
+order is kept only while the map is large: it is built (one sort of `SORTED_FROM`
+keys) when the map grows to that size, and dropped when it shrinks below
+`UNSORTED_BELOW`; until then a page sorts the map, which is never larger than that.
+The costs either way are in docs/benchmarks.md. The owner of the map calls `added`,
+`removed` and `cleared` as it changes the map, and nothing else changes it.
 """
 
 from __future__ import annotations

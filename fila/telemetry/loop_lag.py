@@ -6,8 +6,8 @@ every `INTERVAL_S` notes how late it actually runs (the loop's clock when it run
 minus when it was due) in a fixed-bucket histogram, which the exporters read at
 collection like the core's others (`fila.telemetry.histogram`): a loop that keeps up
 shows a millisecond or less, and a single call that holds the loop for a second shows
-as one sample near a second. One sample costs a few microseconds, twenty times a
-second. It runs only while an exporter does (`fila.telemetry.exporters`).
+as one sample near a second. Its cost is in docs/benchmarks.md; it runs only while an
+exporter does (`fila.telemetry.exporters`).
 """
 
 from __future__ import annotations
