@@ -269,16 +269,9 @@ def get_queue(name: str) -> Call[admin_pb2.GetQueueResponse, QueueDetails]:
 
 
 def update_queue(
-    name: str,
-    on_enqueue: str | None,
-    on_failure: str | None,
-    visibility_timeout_ms: int | None,
-    max_attempts: int | None,
-    retry_backoff: str | None,
+    request: admin_pb2.UpdateQueueRequest,
 ) -> Call[admin_pb2.UpdateQueueResponse, QueueConfig]:
-    request = update_queue_request(
-        name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
-    )
+    """`UpdateQueue` of `update_queue_request(...)`: the configuration in force after."""
     return Call(request, lambda response: QueueConfig.from_proto(response.config))
 
 

@@ -473,11 +473,10 @@ class AsyncClient:
     ) -> QueueConfig:
         """Change the given settings of queue `name`; returns the configuration in force
         (see `Client.update_queue`)."""
-        return await self._call(
-            calls.update_queue(
-                name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
-            )
+        request = calls.update_queue_request(
+            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
         )
+        return await self._call(calls.update_queue(request))
 
     async def list_queues(self) -> list[QueueInfo]:
         """Every queue; see `Client.list_queues`."""

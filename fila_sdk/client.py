@@ -532,11 +532,10 @@ class Client:
 
         Raises `ValueError` if no setting is given, `QueueNotFoundError`, or
         `InvalidArgumentError` for a script that does not compile or a bad value."""
-        return self._call(
-            calls.update_queue(
-                name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
-            )
+        request = calls.update_queue_request(
+            name, on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
         )
+        return self._call(calls.update_queue(request))
 
     def list_queues(self) -> list[QueueInfo]:
         """Every queue, with its depth, in-flight count and active consumers."""
