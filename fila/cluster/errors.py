@@ -67,3 +67,33 @@ class RemoteError(BrokerError):
         self.kind_value = kind
         if kind is not None and kind in ErrorKind._value2member_map_:
             self.kind = ErrorKind(kind)
+
+
+class NoLeader(Unavailable):
+    """A replicated queue's leader is gone and no in-sync replica can take over: the
+    queue waits for one (no unclean election, SPEC 9)."""
+
+    def __init__(self, queue: str, waiting_for: tuple[int, ...]) -> None:
+        nodes = ", ".join(str(n) for n in waiting_for) or "none"
+        super().__init__(
+            f'queue "{clip(queue)}" has no leader: waiting for an in-sync replica to come '
+            f"back (nodes {nodes})"
+        )
+        self.waiting_for = waiting_for
+
+
+class LeaderChanged(Unavailable):
+    """This node lost the lead of a replicated queue while a call waited: its outcome
+    is unknown (retry; the new leader answers)."""
+
+    def __init__(self, queue: str) -> None:
+        super().__init__(
+            f'this node no longer leads queue "{clip(queue)}": the outcome is unknown, retry'
+        )
+
+
+class TakingOver(Unavailable):
+    """This node was elected to lead a replicated queue and is not serving it yet."""
+
+    def __init__(self, queue: str, node_id: int) -> None:
+        super().__init__(f'node {node_id} is taking over queue "{clip(queue)}": retry')
