@@ -1,8 +1,20 @@
 """Python client for the Fila broker.
 
-`Client` blocks, `AsyncClient` runs on asyncio; both speak the `fila.v1` gRPC
-API, return the plain records in `fila_sdk.types` and raise the classes in
-`fila_sdk.errors`. `Worker` runs a handler per message of a queue and settles it.
+`Client` blocks (and is safe to share between threads), `AsyncClient` runs on asyncio;
+both have the same methods, speak the `fila.v1` gRPC API, return the plain records
+defined here (`Message`, `QueueStats`, ...) and raise the `FilaError` classes defined
+here, one per way a call can fail. `Worker` runs a handler for every message of a
+queue and settles it: an `AsyncWorker` on an `AsyncClient`, a `ThreadWorker` on a
+`Client` (see `fila_sdk.worker` for how it works).
+
+    from fila_sdk import Client, Worker
+
+    with Client("localhost:5555") as client:
+        client.create_queue("orders", exist_ok=True)
+        client.enqueue("orders", b"hello", headers={"tenant": "acme"})
+        Worker(client, "orders", print).run()   # until Ctrl-C or SIGTERM
+
+This reference is generated from the docstrings by `scripts/sdk_docs.py`.
 """
 
 from fila.wire import UNLIMITED_ATTEMPTS

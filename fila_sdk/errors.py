@@ -38,11 +38,11 @@ class FilaError(Exception):
 
 
 class QueueNotFoundError(FilaError):
-    pass
+    """The queue does not exist."""
 
 
 class QueueAlreadyExistsError(FilaError):
-    pass
+    """A queue of that name exists already (see `create_queue(exist_ok=True)`)."""
 
 
 class MessageNotFoundError(FilaError):
@@ -50,15 +50,16 @@ class MessageNotFoundError(FilaError):
 
 
 class ConfigKeyNotFoundError(FilaError):
-    pass
+    """No runtime configuration value has that key."""
 
 
 class ApiKeyNotFoundError(FilaError):
-    pass
+    """No API key has that id."""
 
 
 class InvalidArgumentError(FilaError):
-    pass
+    """The broker refused the request as malformed: a bad name, a script that does
+    not compile, a message over the limits, ..."""
 
 
 class ArgumentError(InvalidArgumentError, TypeError):
@@ -71,11 +72,11 @@ class ArgumentError(InvalidArgumentError, TypeError):
 
 
 class UnauthenticatedError(FilaError):
-    pass
+    """The API key is missing, unknown, revoked or expired."""
 
 
 class PermissionDeniedError(FilaError):
-    pass
+    """The API key lacks the permission the call needs."""
 
 
 class ResourceExhaustedError(FilaError):
@@ -108,4 +109,5 @@ class RPCError(FilaError):
 
     @property
     def details(self) -> str:
+        """The broker's message (as `message`)."""
         return self.message

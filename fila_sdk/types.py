@@ -52,6 +52,13 @@ def _time(stamp: Timestamp, present: bool) -> datetime | None:
 
 @dataclass(frozen=True, slots=True)
 class Message:
+    """A message as delivered by `consume` or a `Worker` (leased) or shown by `peek`.
+
+    `fairness_key`, `weight` and `throttle_keys` are what the queue's `on_enqueue`
+    hook assigned; `attempt_count` counts failed deliveries so far (0 on the first);
+    `enqueued_at` and `leased_at` are the broker's times (`leased_at` None unless
+    leased)."""
+
     id: str
     queue: str
     headers: dict[str, str]
@@ -70,6 +77,7 @@ class Message:
 
     @classmethod
     def from_proto(cls, msg: messages_pb2.Message) -> Message:
+        """The record from the broker's `Message`."""
         # Per delivered message, so kept lean: positional arguments, and no copies of
         # empty maps and lists (figures: docs/benchmarks.md).
         meta, times = msg.metadata, msg.timestamps
@@ -116,6 +124,7 @@ class PeekedState:
 
     @classmethod
     def from_proto(cls, peeked: admin_pb2.PeekedState) -> PeekedState:
+        """The record from the broker's `PeekedState`."""
         return cls(
             _STATE_NAMES.get(peeked.state, "unknown"),
             _time(peeked.ready_at, peeked.HasField("ready_at")),
@@ -138,6 +147,7 @@ class PeekPage:
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.PeekMessagesResponse) -> PeekPage:
+        """The record from the broker's `PeekMessagesResponse`."""
         return cls(
             tuple(Message.from_proto(m) for m in resp.messages),
             resp.next_after_id or None,
@@ -159,6 +169,7 @@ class QueueConfig:
 
     @classmethod
     def from_proto(cls, config: admin_pb2.QueueConfig) -> QueueConfig:
+        """The record from the broker's `QueueConfig`."""
         attempts = config.max_attempts
         return cls(
             config.on_enqueue_script,
@@ -179,6 +190,7 @@ class QueueDetails:
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.GetQueueResponse) -> QueueDetails:
+        """The record from the broker's `GetQueueResponse`."""
         return cls(resp.name, QueueConfig.from_proto(resp.config), resp.dlq or None)
 
 
@@ -196,6 +208,9 @@ class EnqueueItem:
 
 @dataclass(frozen=True, slots=True)
 class QueueInfo:
+    """One queue of `list_queues`: its depth (ready and delayed), messages in flight
+    (leased) and consumers connected."""
+
     name: str
     depth: int
     in_flight: int
@@ -203,11 +218,15 @@ class QueueInfo:
 
     @classmethod
     def from_proto(cls, info: admin_pb2.QueueInfo) -> QueueInfo:
+        """The record from the broker's `QueueInfo`."""
         return cls(info.name, info.depth, info.in_flight, info.active_consumers)
 
 
 @dataclass(frozen=True, slots=True)
 class FairnessKeyStats:
+    """One fairness key of `QueueStats.per_key`: its pending messages, its DRR deficit
+    and weight."""
+
     key: str
     pending_count: int
     current_deficit: int
@@ -219,6 +238,9 @@ class FairnessKeyStats:
 
 @dataclass(frozen=True, slots=True)
 class ThrottleKeyStats:
+    """One throttle key of `QueueStats.per_throttle`: its token bucket's tokens now,
+    its rate per second and its burst."""
+
     key: str
     tokens: float
     rate_per_second: float
@@ -227,6 +249,9 @@ class ThrottleKeyStats:
 
 @dataclass(frozen=True, slots=True)
 class QueueStats:
+    """`get_stats`: a queue's depth (ready and delayed) and messages in flight
+    (leased), its fairness and throttle keys, and counters since the broker started."""
+
     depth: int
     in_flight: int
     active_fairness_keys: int
@@ -256,6 +281,7 @@ class QueueStats:
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.GetStatsResponse) -> QueueStats:
+        """The record from the broker's `GetStatsResponse`."""
         return cls(
             depth=resp.depth,
             in_flight=resp.in_flight,
@@ -287,17 +313,23 @@ class QueueStats:
 
 @dataclass(frozen=True, slots=True)
 class ConfigEntry:
+    """One runtime configuration value."""
+
     key: str
     value: str
 
 
 @dataclass(frozen=True, slots=True)
 class ConfigListing:
+    """`list_config`: the values found (the broker may cut a long listing short) and
+    how many keys matched in all."""
+
     entries: tuple[ConfigEntry, ...]
     total_count: int
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.ListConfigResponse) -> ConfigListing:
+        """The record from the broker's `ListConfigResponse`."""
         return cls(tuple(ConfigEntry(e.key, e.value) for e in resp.entries), resp.total_count)
 
 
@@ -321,6 +353,8 @@ class CreatedApiKey:
 
 @dataclass(frozen=True, slots=True)
 class ApiKeyInfo:
+    """One key of `list_api_keys` (never its secret)."""
+
     key_id: str
     name: str
     created_at: datetime | None
@@ -329,6 +363,7 @@ class ApiKeyInfo:
 
     @classmethod
     def from_proto(cls, info: admin_pb2.ApiKeyInfo) -> ApiKeyInfo:
+        """The record from the broker's `ApiKeyInfo`."""
         return cls(
             info.key_id,
             info.name,
@@ -340,7 +375,8 @@ class ApiKeyInfo:
 
 @dataclass(frozen=True, slots=True)
 class AclPermission:
-    """`kind` is produce, consume or admin; `pattern` is "*", a queue name or "prefix.*"."""
+    """One permission of an API key: `kind` is "produce", "consume" or "admin";
+    `pattern` is `"*"`, a queue name or `"prefix.*"`."""
 
     kind: str
     pattern: str
@@ -360,12 +396,15 @@ class AclPermission:
 
 @dataclass(frozen=True, slots=True)
 class Acl:
+    """`get_acl`: a key's permissions (a superadmin needs none)."""
+
     key_id: str
     permissions: tuple[AclPermission, ...]
     is_superadmin: bool
 
     @classmethod
     def from_proto(cls, resp: admin_pb2.GetAclResponse) -> Acl:
+        """The record from the broker's `GetAclResponse`."""
         return cls(
             resp.key_id,
             tuple(AclPermission(p.kind, p.pattern) for p in resp.permissions),
