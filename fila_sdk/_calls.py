@@ -233,23 +233,28 @@ def _count(value: int | None, what: str) -> int:
 # Admin.
 
 
-def create_queue(
-    name: str,
+def queue_config(
     on_enqueue: str | None,
     on_failure: str | None,
     visibility_timeout_ms: int | None,
-    exist_ok: bool,
     max_attempts: int | None,
     retry_backoff: str | None,
-) -> Call[admin_pb2.CreateQueueResponse, str]:
-    # Empty strings and 0 are the wire's "not set": the broker applies its defaults.
-    config = admin_pb2.QueueConfig(
+) -> admin_pb2.QueueConfig:
+    """A new queue's configuration: None is the wire's "not set" (empty strings and
+    0), for which the broker applies its defaults."""
+    return admin_pb2.QueueConfig(
         on_enqueue_script=on_enqueue or "",
         on_failure_script=on_failure or "",
         visibility_timeout_ms=visibility_timeout_ms or 0,
         max_attempts=max_attempts or 0,
         retry_backoff=retry_backoff or "",
     )
+
+
+def create_queue(
+    name: str, config: admin_pb2.QueueConfig, exist_ok: bool
+) -> Call[admin_pb2.CreateQueueResponse, str]:
+    """With `exist_ok`, a queue of that name already existing answers its name."""
 
     def recover(error: FilaError) -> str:
         if exist_ok and isinstance(error, QueueAlreadyExistsError):

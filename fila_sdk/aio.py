@@ -441,17 +441,10 @@ class AsyncClient:
     ) -> str:
         """Create queue `name` (and `name.dlq`); returns its id (the name). See
         `Client.create_queue`."""
-        return await self._call(
-            calls.create_queue(
-                name,
-                on_enqueue,
-                on_failure,
-                visibility_timeout_ms,
-                exist_ok,
-                max_attempts,
-                retry_backoff,
-            )
+        config = calls.queue_config(
+            on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
         )
+        return await self._call(calls.create_queue(name, config, exist_ok))
 
     async def delete_queue(self, name: str) -> None:
         """Delete queue `name` with its messages; see `Client.delete_queue`."""

@@ -492,17 +492,10 @@ class Client:
         Raises `QueueAlreadyExistsError` (without `exist_ok`), or
         `InvalidArgumentError` for a bad name or a script that does not compile.
         """
-        return self._call(
-            calls.create_queue(
-                name,
-                on_enqueue,
-                on_failure,
-                visibility_timeout_ms,
-                exist_ok,
-                max_attempts,
-                retry_backoff,
-            )
+        config = calls.queue_config(
+            on_enqueue, on_failure, visibility_timeout_ms, max_attempts, retry_backoff
         )
+        return self._call(calls.create_queue(name, config, exist_ok))
 
     def delete_queue(self, name: str) -> None:
         """Delete queue `name` with its messages, leases and dead-letter queue. Raises
