@@ -185,7 +185,6 @@ def echo_legs(rounds: list[Round]) -> dict[str, str]:
 def broker_legs(rounds: list[Round], stamps: list[dict[str, int]]) -> dict[str, str]:
     """Pairs the k-th round with the k-th enqueue the probe saw (one in flight)."""
     stamps = stamps[-len(rounds) :]
-    inline = sum(1 for s in stamps if s.get("sync_done") == s.get("sync_end", -1))
     legs: dict[str, list[int]] = {}
 
     def add(name: str, value: int | None) -> None:
@@ -197,16 +196,13 @@ def broker_legs(rounds: list[Round], stamps: list[dict[str, int]]) -> dict[str, 
         add("to broker.enqueue", s["enqueue"] - sent)
         add("enqueue -> WAL append", s.get("write", 0) - s["enqueue"] if "write" in s else None)
         if "sync_start" in s:
-            add("WAL append -> fsync starts", s["sync_start"] - s["write"])
+            add("WAL append -> fsync starts (thread)", s["sync_start"] - s["write"])
             add("fsync", s["sync_end"] - s["sync_start"])
             add("fsync ends -> loop resumes", s["sync_done"] - s["sync_end"])
             add("loop resumes -> client has answer", received - s["sync_done"])
         elif "write" in s:
             add("WAL append -> client has answer", received - s["write"])
-    out = {name: _us(values) for name, values in legs.items()}
-    if any("sync_start" in s for s in stamps):
-        out["syncs run inline by the loop"] = f"{100 * inline / len(stamps):6.0f}%"
-    return out
+    return {name: _us(values) for name, values in legs.items()}
 
 
 def fdatasync_us(directory: Path, count: int = 300) -> str:
@@ -246,7 +242,7 @@ def main() -> int:
     parser.add_argument(
         "--modes",
         default="buffer,sync",
-        help="brokers to run: buffer, sync, sync-thread (every sync on the fsync thread)",
+        help="brokers to run, by persist mode (buffer, sync), in this order",
     )
     parser.add_argument("--no-echo", action="store_true", help="skip the echo server")
     parser.add_argument("--json", type=Path, help="also write the figures here")
@@ -260,8 +256,7 @@ def main() -> int:
     for title, legs in report.items():
         print(f"{title}:")
         for leg, value in legs.items():
-            unit = "" if value.strip().endswith("%") else " us"
-            print(f"  {value}{unit}  {leg}")
+            print(f"  {value} us  {leg}")
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0
@@ -287,10 +282,7 @@ async def measure(args: argparse.Namespace) -> dict[str, dict[str, str]]:
         for index, mode in enumerate(args.modes.split(",")):
             stamps_file = Path(tmp) / f"stamps-{index}.json"
             env = {"PYTHONPATH": str(PROBE), "ROUNDTRIP_STAMPS": str(stamps_file)}
-            if mode == "sync-thread":  # every sync on the fsync thread, for comparison
-                env["ROUNDTRIP_THREAD_ONLY"] = "1"
-            persist = "buffer" if mode == "buffer" else "sync"
-            server = ServerProcess(Path(tmp) / f"data-{index}", persist_mode=persist, env=env)
+            server = ServerProcess(Path(tmp) / f"data-{index}", persist_mode=mode, env=env)
             server.start()
             try:
                 pin(server.pid, args.server_cpu)

@@ -95,7 +95,7 @@ UNPRIVILEGED_SYNC = textwrap.dedent(
             super().sync()
 
     async def main():
-        committer = Committer(Storage(), "sync", print, fsync_priority_boost=5, inline_sync=False)
+        committer = Committer(Storage(), "sync", print, fsync_priority_boost=5)
         committer.put(b"k", b"v")
         await asyncio.wait_for(committer.flushed(), 10)
         committer.close()

@@ -6,9 +6,6 @@ writer is answered only once a sync that *started after its write* has ended;
 writes that arrive during a sync share the next one; a sync error reaches every
 waiter and stops the broker; closing waits for the sync in flight, and a sync
 asked for after closing fails instead of leaving its writers waiting forever.
-
-Most of these hold the sync on the fsync thread (`inline_sync=False`); the inline
-syncs of an idle loop have tests of their own at the end.
 """
 
 from __future__ import annotations
@@ -17,14 +14,13 @@ import asyncio
 import contextlib
 import functools
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
 from fila.config import PersistMode
 from fila.storage.backend import MemoryStorage, StorageError
-from fila.storage.committer import INLINE_MAX_OPS, INLINE_MAX_SYNC_S, Committer
+from fila.storage.committer import Committer
 
 DEADLINE_S = 10.0
 
@@ -65,7 +61,7 @@ def gated_committer(
 ) -> Iterator[tuple[GatedStorage, Committer]]:
     """A committer over gated storage; the gate is opened at the end so no sync is left blocked."""
     storage = GatedStorage()
-    committer = Committer(storage, mode, on_failure, inline_sync=False)
+    committer = Committer(storage, mode, on_failure)
     try:
         yield storage, committer
     finally:
@@ -136,7 +132,7 @@ async def test_a_failed_sync_fails_every_waiter_and_stops_the_broker() -> None:
 @in_loop
 async def test_close_waits_for_the_sync_in_flight() -> None:
     storage = GatedStorage()
-    committer = Committer(storage, "sync", lambda exc: None, inline_sync=False)
+    committer = Committer(storage, "sync", lambda exc: None)
     done = await _write_held_in_sync(storage, committer, b"k")
     closing = asyncio.create_task(asyncio.to_thread(committer.close))
     await asyncio.sleep(0.05)  # close must still be waiting: the sync has not ended
@@ -184,92 +180,5 @@ async def test_flush_now_writes_and_fsyncs_what_is_pending_and_answers_its_write
         committer.flush_now()
         assert (storage.get(b"k"), storage.sync_count) == (b"v", 1)
         await asyncio.wait_for(done, DEADLINE_S)
-    finally:
-        committer.close()
-
-
-class TimedStorage(MemoryStorage):
-    """Memory storage that records which thread each sync ran on, and can be slow."""
-
-    def __init__(self, sync_s: float = 0.0) -> None:
-        super().__init__()
-        self.sync_s = sync_s
-        self.sync_threads: list[int] = []
-        self.writes_at_sync: list[int] = []
-
-    def sync(self) -> None:
-        self.sync_threads.append(threading.get_ident())
-        self.writes_at_sync.append(self.writes)
-        if self.sync_s:
-            time.sleep(self.sync_s)
-        super().sync()
-
-
-@in_loop
-async def test_an_idle_loop_syncs_a_lone_small_batch_itself_before_answering() -> None:
-    storage = TimedStorage()
-    committer = Committer(storage, "sync", lambda exc: None)
-    try:
-        committer.put(b"k", b"v")
-        done = committer.flushed()
-        await asyncio.wait_for(done, DEADLINE_S)
-        assert storage.writes_at_sync == [1]  # the write was in the WAL before the sync
-        assert storage.sync_count == 1
-        assert storage.sync_threads == [threading.get_ident()]  # on the loop's thread
-        assert committer.inline_syncs == 1
-    finally:
-        committer.close()
-
-
-@in_loop
-async def test_a_busy_loop_hands_the_sync_to_the_thread() -> None:
-    storage = TimedStorage()
-    committer = Committer(storage, "sync", lambda exc: None)
-    stop = False
-
-    async def spinner() -> None:  # always runnable: the loop is never idle
-        while not stop:  # noqa: ASYNC110 (the point is to stay runnable, not to wait)
-            await asyncio.sleep(0)
-
-    spinners = [asyncio.create_task(spinner()) for _ in range(10)]
-    try:
-        await asyncio.sleep(0)
-        committer.put(b"k", b"v")
-        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
-        assert storage.sync_count == 1
-        assert storage.sync_threads != [threading.get_ident()]
-        assert committer.inline_syncs == 0
-    finally:
-        stop = True
-        await asyncio.gather(*spinners)
-        committer.close()
-
-
-@in_loop
-async def test_after_a_slow_sync_the_loop_syncs_nothing_itself() -> None:
-    storage = TimedStorage(sync_s=3 * INLINE_MAX_SYNC_S)
-    committer = Committer(storage, "sync", lambda exc: None)
-    try:
-        for key in (b"a", b"b", b"c"):
-            committer.put(key, b"v")
-            await asyncio.wait_for(committer.flushed(), DEADLINE_S)
-        # the first ran inline (nothing known yet); it was slow, so the others did not
-        assert committer.inline_syncs == 1
-        assert storage.sync_threads[0] == threading.get_ident()
-        assert threading.get_ident() not in storage.sync_threads[1:]
-    finally:
-        committer.close()
-
-
-@in_loop
-async def test_a_large_batch_is_synced_on_the_thread() -> None:
-    storage = TimedStorage()
-    committer = Committer(storage, "sync", lambda exc: None)
-    try:
-        for i in range(INLINE_MAX_OPS + 1):
-            committer.put(b"k%d" % i, b"v")
-        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
-        assert committer.inline_syncs == 0
-        assert storage.sync_threads != [threading.get_ident()]
     finally:
         committer.close()

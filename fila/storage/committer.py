@@ -23,17 +23,9 @@ change, so it stops rather than serve state the disk does not have.
 
 Every answer waits on the fsync thread, so it runs above the rest of the broker
 (15 nice levels by default, `storage.fsync_priority_boost`) where the system allows
-it: see fila.storage.thread_priority.
-
-At light load the thread costs more than it saves: handing a sync to it wakes it
-(and it must then win the GIL from the loop), and handing the outcome back wakes the
-loop through its self-pipe, two wake-ups per commit on the path of a one-in-flight
-round trip. So when a single small batch waits, no sync is running, and nothing else
-is runnable on the loop, the loop fsyncs it itself (`_sync_when_idle`):
-`flush_wal(True)` releases the GIL, so gRPC's threads keep moving meanwhile, and
-nothing on the loop was waiting to run. A sync that has lately been slow (a disk
-busy with a compaction) is never run inline, so a slow disk cannot stall the loop;
-with other work runnable the sync goes to the thread as before.
+it: see fila.storage.thread_priority. (Syncing a lone small batch on the loop
+itself when it is idle, sparing the two wake-ups of the hand-off, was measured and
+made one-in-flight round trips slower on a busy host: docs/benchmarks.md.)
 
 The path of a write, in order (the hooks a replicating committer would add sit at
 the marked points):
@@ -42,7 +34,8 @@ the marked points):
    out the future shared by everything in it; [a write names its queue here];
 2. `_write_batch` (end of the turn) appends the batch to the WAL, unsynced, and
    queues its waiters (`_Waiters`) as unsynced;
-3. `_start_sync` picks where the fsync runs: inline when idle, else the thread;
+3. `_start_sync` hands everything unsynced to the fsync thread (one sync at a time;
+   what is written meanwhile waits for the next);
 4. `_sync_done` on the loop resolves every waiter the sync covered, oldest first
    (`_Waiters.succeed`: after-commit callbacks, then the future);
    [a gate on the future, e.g. a replica's acknowledgement, goes here].
@@ -65,14 +58,6 @@ from fila.telemetry.histogram import FSYNC_BOUNDS_S, FixedHistogram
 
 log = logging.getLogger("fila.storage")
 
-# Inline syncs (see the module docstring): at most this many operations waiting, a
-# last sync no slower than this, and at most this many other callbacks ready on the
-# loop, let through for at most `_IDLE_HOPS` turns before the thread takes the sync.
-INLINE_MAX_OPS = 64
-INLINE_MAX_SYNC_S = 0.002
-_IDLE_MAX_READY = 4
-_IDLE_HOPS = 3
-
 
 class Committer:
     """Collects writes into one open batch; commits it once per event-loop turn."""
@@ -84,18 +69,14 @@ class Committer:
         on_failure: Callable[[StorageError], None],
         fsync_priority_boost: int = 0,
         *,
-        inline_sync: bool = True,
         recent_bytes: int = 0,
     ) -> None:
-        """`inline_sync`: let the loop fsync a lone small batch itself when idle (see
-        the module docstring); off, every sync runs on the fsync thread.
-        `recent_bytes`: the budget of `recent`, message records kept for delivery
+        """`recent_bytes`: the budget of `recent`, message records kept for delivery
         (`fila.storage.recent`); 0 keeps none."""
         self._storage = storage
         self.recent = RecentRecords(recent_bytes)
         self._sync = mode == "sync"
         self._fsync_priority_boost = fsync_priority_boost
-        self._inline = inline_sync
         self._on_failure = on_failure
         self._batch = Batch()
         self._ops = 0
@@ -105,16 +86,13 @@ class Committer:
         self._failed: StorageError | None = None
         # Written to the WAL but not yet fsynced, oldest first; and whether a sync runs.
         self._unsynced: list[_Waiters] = []
-        self._unsynced_ops = 0
         self._syncing = False
-        self._last_sync_s = 0.0
         self._sync_requests: queue.SimpleQueue[_SyncRequest | None] = queue.SimpleQueue()
         self._fsync_thread: threading.Thread | None = None  # started by the first sync
         self._closed = False
         self.batches_written = 0
         self.ops_written = 0
         self.syncs = 0
-        self.inline_syncs = 0  # of `syncs`, those the loop ran itself
         # Seconds each WAL fsync took (fila.storage.fsync.duration), recorded where the
         # fsync runs (the fsync thread; the loop at recovery and shutdown).
         self.fsync_seconds = FixedHistogram(FSYNC_BOUNDS_S)
@@ -199,62 +177,22 @@ class Committer:
             waiters.succeed()
         elif waiters:
             self._unsynced.append(waiters)
-            self._unsynced_ops += ops
             if start_sync and not self._syncing:
                 self._start_sync()
 
     def _start_sync(self) -> None:
-        """Starts the fsync of everything unsynced: on the loop once it is idle, when
-        the module docstring's conditions hold, else on the fsync thread."""
-        self._syncing = True
-        if self._inline_allowed() and not self._closed:
-            self._sync_when_idle(0)
-        else:
-            self._to_thread(self._take_unsynced())
-
-    def _inline_allowed(self) -> bool:
-        return (
-            self._inline
-            and len(self._unsynced) == 1
-            and self._unsynced_ops <= INLINE_MAX_OPS
-            and self._last_sync_s <= INLINE_MAX_SYNC_S
-        )
-
-    def _sync_when_idle(self, hops: int) -> None:
-        """Fsyncs on the loop if nothing else is runnable on it; lets the few callbacks
-        that are (the rest of this turn's answers and reads) run first, for at most
-        `_IDLE_HOPS` turns; a busier loop hands the sync to the thread. Batches written
-        meanwhile are in the WAL already and join this sync."""
-        loop = asyncio.get_running_loop()
-        # asyncio keeps the callbacks ready to run in `_ready`; a loop without one
-        # (another implementation) never syncs inline.
-        ready = getattr(loop, "_ready", None)
-        runnable = len(ready) if ready is not None else _IDLE_MAX_READY + 1
-        if runnable and runnable <= _IDLE_MAX_READY and hops < _IDLE_HOPS:
-            loop.call_soon(self._sync_when_idle, hops + 1)
-            return
-        covered = self._take_unsynced()
-        if not covered:  # flush_now synced them meanwhile
-            self._syncing = False
-            return
-        if runnable or self._closed or self._failed is not None:
-            self._to_thread(covered)
-            return
-        self.inline_syncs += 1
-        self._sync_done(covered, self._fsync())
-
-    def _to_thread(self, covered: list[_Waiters]) -> None:
-        """Fsyncs the WAL on the thread: flush_wal releases the GIL, so the loop keeps
-        serving and whatever arrives meanwhile forms the next group.
+        """Fsyncs the WAL on a thread: flush_wal releases the GIL, so the loop keeps serving
+        and whatever arrives meanwhile forms the next group.
 
         The thread is our own, fed by a `SimpleQueue` and answering with one
         `call_soon_threadsafe`, rather than an executor: `run_in_executor`'s two chained
         futures cost the saturated core measurable time per message (docs/benchmarks.md),
         for nothing a single worker needs."""
+        covered = self._take_unsynced()
         if self._closed:
-            self._syncing = False
             self._finish_sync(covered, StorageError("WAL sync asked for after shutdown"))
             return
+        self._syncing = True
         if self._fsync_thread is None:
             self._fsync_thread = threading.Thread(
                 target=self._sync_loop, name="fila-fsync", daemon=True
@@ -296,9 +234,7 @@ class Committer:
         except StorageError as exc:
             return exc
         finally:
-            took = time.perf_counter() - started
-            self._last_sync_s = took
-            self.fsync_seconds.record(took)
+            self.fsync_seconds.record(time.perf_counter() - started)
         return None
 
     def _sync_done(self, covered: list[_Waiters], error: StorageError | None) -> None:
@@ -319,7 +255,6 @@ class Committer:
 
     def _take_unsynced(self) -> list[_Waiters]:
         taken, self._unsynced = self._unsynced, []
-        self._unsynced_ops = 0
         return taken
 
     def _fail(self, exc: StorageError) -> None:

@@ -5,8 +5,9 @@ On PYTHONPATH with ROUNDTRIP_STAMPS=FILE, a broker process (`fila.server.main` o
 nanoseconds at which: the handler called the broker (`enqueue`); the committer
 appended the batch to the WAL (`write`); the fsync started and ended on its thread
 (`sync_start`, `sync_end`); the event loop took the result back (`sync_done`). It
-writes them as JSON to FILE at exit. With ROUNDTRIP_THREAD_ONLY=1 every sync goes
-to the fsync thread (no inline syncs), for comparison. Nothing here ships in the
+writes them as JSON to FILE at exit. With ROUNDTRIP_THREAD_ONLY=1 (with or without
+ROUNDTRIP_STAMPS) every sync goes to the fsync thread (no inline syncs), for
+comparison. Nothing here ships in the
 package.
 """
 
@@ -16,7 +17,6 @@ import atexit
 import json
 import os
 import sys
-import threading
 import time
 from typing import Any
 
@@ -28,14 +28,9 @@ _IS_BROKER = "fila.server.main" in sys.orig_argv or any(
 
 def _install() -> None:
     from fila.core.enqueue import Enqueueing
-    from fila.storage import committer
     from fila.storage.committer import Committer
 
-    if os.environ.get("ROUNDTRIP_THREAD_ONLY") == "1":
-        committer.INLINE_MAX_OPS = 0  # type: ignore[misc]
-
     stamps: list[dict[str, int]] = []
-    loop_thread = threading.get_ident()  # the broker's loop runs on the main thread
     now = time.perf_counter_ns
     pending: list[dict[str, int]] = []  # enqueued, not yet appended
     syncing: list[dict[str, int]] = []  # appended, in the sync being run
@@ -72,10 +67,6 @@ def _install() -> None:
             for record in mine:
                 record["sync_start"], record["sync_end"] = start, end
             covered.extend(mine)
-            if threading.get_ident() == loop_thread:  # inline: the loop resumes at once
-                for record in mine:
-                    record["sync_done"] = end
-                covered.clear()
 
     sync_done = Committer._sync_done
 

@@ -318,8 +318,7 @@ def make_core(
     with a visibility timeout of 1000 ms, no attempt limit and immediate retries (the
     retry policy of queues created before it existed), so tests of other concerns see a
     nack come back at once; `random` is the retry jitter's draw (0.5: no jitter).
-    Syncs run on the fsync thread (never inline), so a test can hold one there; the
-    committer keeps message records for delivery as fila-server's default does."""
+    The committer keeps message records for delivery as fila-server's default does."""
     storage = MemoryStorage()
     clock = ManualClock()
     committer = _committer(storage, persist_mode, config)
@@ -343,7 +342,6 @@ def _committer(storage: MemoryStorage, persist_mode: str, config: Config | None)
         storage,
         persist_mode,  # type: ignore[arg-type]
         lambda exc: None,
-        inline_sync=False,
         recent_bytes=(config or Config()).storage.recent_records_bytes,
     )
 
