@@ -154,7 +154,7 @@ class StorageSection:
     fsync_priority_boost: Annotated[int, AtLeast(0), AtMost(39)] = 15
     # Message records kept in memory from their write to their delivery, so a delivery
     # need not read them back (fila.storage.recent); 0 keeps none.
-    recent_records_bytes: Annotated[int, AtLeast(0)] = 32 * MiB
+    recent_records_bytes: Annotated[int, AtLeast(0)] = 64 * MiB
 
 
 @dataclass(frozen=True, slots=True)
