@@ -14,6 +14,12 @@ measures a short window before the first throughput case and after every one, so
 ceiling is sampled across the run, when the broker's figures were taken, and not in
 some other run on some other host.
 
+The same server also answers `StreamEnqueue`, each request at once with a canned id
+per message: the stream ceiling (`stream_ceiling`), what the SDK's `enqueue` (which
+rides that stream) gets from this stack when the broker does nothing. The cases of
+few connections compare the broker with it at the same connection count and payload
+(`fila_bench.benchmarks.durability`, `fila_bench.benchmarks.competitive`).
+
 Run as `python -m fila_bench.echo PORT`; it exits when its stdin closes, so it
 cannot outlive the benchmark that started it.
 """
@@ -30,7 +36,7 @@ import grpc
 import grpc.aio
 
 from fila.v1 import service_pb2
-from fila_bench.conn import Connection, UnaryConnection, close_all
+from fila_bench.conn import Connection, UnaryConnection, close_all, open_connections
 from fila_bench.load import enqueue_for
 from fila_bench.sidecar import sidecar, until_stdin_closes
 
@@ -45,6 +51,19 @@ async def _enqueue(request: service_pb2.EnqueueRequest, context: Any) -> Any:
     return _CANNED
 
 
+_CANNED_RESULT = service_pb2.EnqueueResult(message_id=_CANNED.message_id)
+
+
+async def _stream_enqueue(requests: AsyncIterator[Any], context: Any) -> None:
+    async for request in requests:
+        await context.write(
+            service_pb2.StreamEnqueueResponse(
+                sequence_number=request.sequence_number,
+                results=[_CANNED_RESULT] * len(request.messages),
+            )
+        )
+
+
 async def serve(port: int) -> None:
     server = grpc.aio.server()
     handler = grpc.unary_unary_rpc_method_handler(
@@ -52,8 +71,17 @@ async def serve(port: int) -> None:
         request_deserializer=service_pb2.EnqueueRequest.FromString,
         response_serializer=service_pb2.EnqueueResponse.SerializeToString,
     )
+    stream = grpc.stream_stream_rpc_method_handler(
+        _stream_enqueue,
+        request_deserializer=service_pb2.StreamEnqueueRequest.FromString,
+        response_serializer=service_pb2.StreamEnqueueResponse.SerializeToString,
+    )
     server.add_generic_rpc_handlers(
-        (grpc.method_handlers_generic_handler(SERVICE, {"Enqueue": handler}),)
+        (
+            grpc.method_handlers_generic_handler(
+                SERVICE, {"Enqueue": handler, "StreamEnqueue": stream}
+            ),
+        )
     )
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
@@ -95,6 +123,29 @@ async def echo_ceiling(server_cpus: frozenset[int] | None) -> AsyncIterator[Echo
             yield ceiling
         finally:
             await ceiling.close()
+
+
+@asynccontextmanager
+async def echo_server(server_cpus: frozenset[int] | None) -> AsyncIterator[str]:
+    """An echo server of the case's own (pinned like a broker); yields its address."""
+    async with sidecar("fila_bench.echo", [], server_cpus) as server:
+        yield server.addr
+
+
+async def stream_ceiling(
+    addr: str, connections: int, payload: bytes, *, warmup_s: float, measure_s: float
+) -> float:
+    """Round trips per second of the SDK's `enqueue` (one in flight on each of
+    `connections` `AsyncClient`s, each its own TCP connection) against the echo
+    server at `addr`: the stream ceiling at that connection count and payload."""
+    conns = open_connections(addr, connections)
+    try:
+        run = await enqueue_for(
+            conns, connections, "echo", warmup_s=warmup_s, measure_s=measure_s, payload=payload
+        )
+    finally:
+        await close_all(conns)
+    return run.rate
 
 
 def main() -> None:

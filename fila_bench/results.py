@@ -83,6 +83,18 @@ def throughput(name: str, msg_per_s: float, *, latency_bound: bool = False) -> R
     return Result(name, msg_per_s, MSG_S, higher_is_better=True, gated=not latency_bound)
 
 
+def cpu_per_job(name: str, cpu_s: float, jobs: int, *, gated: bool = True) -> Result:
+    """The broker process's CPU time (all threads) over a phase, per job it moved, in
+    microseconds (`fila_bench.server.cpu_seconds`: clock ticks, so for phases of a
+    second or more)."""
+    return Result(name, 1e6 * cpu_s / jobs if jobs else 0.0, US, False, gated)
+
+
+def over_ceiling(name: str, rate: float, ceiling: float, *, gated: bool = True) -> Result:
+    """A rate over the matching echo ceiling measured in the same case."""
+    return Result(name, rate / ceiling if ceiling else 0.0, RATIO, True, gated)
+
+
 def latency_ms(name: str, ms: float, *, gated: bool = True) -> Result:
     return Result(name, ms, MS, higher_is_better=False, gated=gated)
 

@@ -29,6 +29,7 @@ def all_cases() -> list[Case]:
     from fila_bench.benchmarks import (
         batch,
         cluster,
+        competitive,
         durability,
         enqueue,
         latency,
@@ -48,6 +49,8 @@ def all_cases() -> list[Case]:
         *resources.CASES,
         *cluster.CASES,
         *durability.CASES,
+        # The competitive harness's cells of few connections, and the unary path.
+        *competitive.CASES,
         # The batch paths: rows of their own, not one-in-flight figures (no ratios).
         *batch.CASES,
     ]

@@ -11,6 +11,15 @@ the broker must report the queue empty afterwards. In sync mode every answer wai
 for an fsync; group commit is what should make throughput grow with N. Messages are
 256 bytes, job-sized, as in the seed reports.
 
+Each case also measures, just before its broker, the stream ceiling at its connection
+count (`fila_bench.echo.stream_ceiling`: the SDK's `enqueue` against an echo server
+that answers `StreamEnqueue` at once), and reports both rates over it
+(`<label>_{enqueue,drain}_<n>c_over_stream_echo`): the enqueue rides that stream and
+the drain's worker settles on its own, so this is the ceiling that matches, where the
+runner's `<rate>_ratio` is over the unary one. And the broker's CPU per job over
+enqueue and drain together (`<label>_<n>c_cpu_us_per_job`). At one connection these
+are latency-bound and not gated, like the rates.
+
 `durable_over_buffered_50c` measures the ratio of the two 50-connection enqueue rates
 a second way. The rows above run a minute apart, and on a shared host a mode's rate
 drifts between minutes, moving the ratio of the two rows far more than a change in
@@ -26,7 +35,7 @@ from __future__ import annotations
 from fila.config import PersistMode
 from fila_bench.case import Case, Context
 from fila_bench.conn import Connection, close_all, open_connections
-from fila_bench.echo import PAYLOAD_256B
+from fila_bench.echo import PAYLOAD_256B, echo_server, stream_ceiling
 from fila_bench.load import (
     check_empty,
     check_exactly_once,
@@ -34,8 +43,8 @@ from fila_bench.load import (
     enqueue_for,
     worker_drain,
 )
-from fila_bench.results import RATIO, Result, throughput
-from fila_bench.server import broker
+from fila_bench.results import RATIO, Result, cpu_per_job, over_ceiling, throughput
+from fila_bench.server import broker, cpu_seconds
 from fila_sdk import AsyncClient
 
 CONNECTIONS = (1, 8, 50)
@@ -48,14 +57,22 @@ def _case(mode: PersistMode, connections: int) -> Case:
     label = LABELS[mode]
     enqueue_name = f"{label}_enqueue_{connections}c"
     drain_name = f"{label}_drain_{connections}c"
+    name = f"{label}_{connections}c"
+    over_echo = (f"{enqueue_name}_over_stream_echo", f"{drain_name}_over_stream_echo")
+    cpu_name = f"{name}_cpu_us_per_job"
 
     async def run(ctx: Context) -> list[Result]:
         p = ctx.profile
-        name = f"{label}_{connections}c"
+        ctx.status(f"stream echo ceiling, {connections} connections")
+        async with echo_server(ctx.placement.server if ctx.placement else None) as echo:
+            ceiling = await stream_ceiling(
+                echo, connections, PAYLOAD, warmup_s=p.warmup_s, measure_s=p.measure_s
+            )
         async with broker(ctx, name, mode) as server, AsyncClient(server.addr) as admin:
             await admin.create_queue(QUEUE)
             conns = open_connections(server.addr, connections)
             try:
+                cpu_before = cpu_seconds(server.pid)
                 ctx.status(f"enqueue, {connections} connections")
                 enq = await enqueue_for(
                     conns,
@@ -67,18 +84,22 @@ def _case(mode: PersistMode, connections: int) -> Case:
                 )
                 ctx.status(f"drain {len(enq.ids):,}, {connections} connections")
                 drain = await worker_drain(conns, QUEUE, len(enq.ids), deadline_s=p.deadline_s)
+                cpu_s = cpu_seconds(server.pid) - cpu_before
             finally:
                 await close_all(conns)
             check_exactly_once(name, enq.ids, [m.id for m in drain.deliveries])
             await check_empty(admin, QUEUE)
-        single = connections == 1
+        gated = connections > 1
         return [
-            throughput(enqueue_name, enq.rate, latency_bound=single),
-            throughput(drain_name, drain.rate, latency_bound=single),
+            throughput(enqueue_name, enq.rate, latency_bound=not gated),
+            throughput(drain_name, drain.rate, latency_bound=not gated),
+            over_ceiling(over_echo[0], enq.rate, ceiling, gated=gated),
+            over_ceiling(over_echo[1], drain.rate, ceiling, gated=gated),
+            cpu_per_job(cpu_name, cpu_s, len(enq.ids), gated=gated),
         ]
 
-    outputs = (enqueue_name, drain_name)
-    return Case(f"{label}_{connections}c", outputs, run, ratios=outputs)
+    rates = (enqueue_name, drain_name)
+    return Case(name, (*rates, *over_echo, cpu_name), run, ratios=rates)
 
 
 PAIRED_CONNECTIONS = 50
