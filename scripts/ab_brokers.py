@@ -10,7 +10,10 @@ for `--seconds` first, untimed). Both brokers run at once, each in its own
 temporary directory, pinned to `--server-cpu` (this process to `--client-cpu`), and
 only one is loaded at a time, so both see the same host; the order alternates each
 round (ABBA...). Each side's config is the persist mode plus its TOML;
-`--b-pythonpath` runs B with that directory first on its PYTHONPATH: the `fila` of
+`--auth` runs both with a bootstrap key and loads them with a key of their own that
+holds `produce` and `consume` on the load's queue (not a superadmin, so every call
+is authenticated and checked against an ACL). `--b-pythonpath` runs B with that
+directory first on its PYTHONPATH: the `fila` of
 another checkout (`git worktree add --detach DIR REV`), to compare two commits, or a
 `sitecustomize.py` that changes something from outside the product. Prints every
 round's rate, each side's median, and B over A, with the broker's CPU microseconds
@@ -31,7 +34,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from profile_broker import LOADS, _batch, _create_queue
+import profile_broker
+from profile_broker import LOADS, _batch, _create_queue, tenant_key
 
 from fila.testing.server import ServerProcess
 
@@ -63,6 +67,7 @@ def main() -> int:
     parser.add_argument("--a-toml", default="")
     parser.add_argument("--b-toml", default="")
     parser.add_argument("--b-pythonpath", default="")
+    parser.add_argument("--auth", action="store_true")
     parser.add_argument("--server-cpu", type=int, default=1)
     parser.add_argument("--client-cpu", type=int, default=0)
     args = parser.parse_args()
@@ -70,6 +75,10 @@ def main() -> int:
         os.sched_setaffinity(0, {args.client_cpu})
     b_env = {"PYTHONPATH": args.b_pythonpath} if args.b_pythonpath else {}
     load = LOADS[args.load]
+    boot = "ab-bootstrap-key"
+    if args.auth:
+        auth = f'[auth]\nbootstrap_apikey = "{boot}"\n'
+        args.a_toml, args.b_toml = args.a_toml + auth, args.b_toml + auth
     rates: dict[str, list[float]] = {"A": [], "B": []}
     cpu_us: dict[str, list[float]] = {"A": [], "B": []}
     with tempfile.TemporaryDirectory(prefix="fila-ab-") as tmp:
@@ -78,12 +87,16 @@ def main() -> int:
             "B": start(Path(tmp), "b", args.b_toml, args.persist_mode, b_env, args.server_cpu),
         }
         try:
-            for server in servers.values():
+            keys = {}
+            for side, server in servers.items():
+                profile_broker.use_key(boot if args.auth else None)
                 asyncio.run(_create_queue(server.addr))
+                keys[side] = asyncio.run(tenant_key(server.addr, boot)) if args.auth else None
             for index in range(args.rounds):
                 order = ("A", "B") if index % 2 == 0 else ("B", "A")
                 for side in order:
                     server = servers[side]
+                    profile_broker.use_key(keys[side])
                     if args.load == "drain":  # a fresh backlog, untimed
                         asyncio.run(_batch(server.addr, time.monotonic() + args.seconds))
                     before = cpu_seconds(server.pid)

@@ -44,13 +44,24 @@ from fila_sdk import AsyncClient
 
 QUEUE = "p"
 LOCAL_POOL = (("grpc.use_local_subchannel_pool", 1),)
+# The API key every load presents (`use_key`); none while auth is off.
+API_KEY: str | None = None
+
+
+def use_key(key: str | None) -> None:
+    global API_KEY
+    API_KEY = key
+
+
+def _md() -> tuple[tuple[str, str], ...] | None:
+    return (("authorization", f"Bearer {API_KEY}"),) if API_KEY else None
 
 
 async def _create_queue(addr: str) -> None:
     async with grpc.aio.insecure_channel(addr) as channel:
         try:
             await admin_pb2_grpc.FilaAdminStub(channel).CreateQueue(
-                admin_pb2.CreateQueueRequest(name=QUEUE), timeout=10
+                admin_pb2.CreateQueueRequest(name=QUEUE), timeout=10, metadata=_md()
             )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.ALREADY_EXISTS:
@@ -65,7 +76,7 @@ async def _unary50(addr: str, end: float, connections: int = 50) -> int:
     async def loop(stub: service_pb2_grpc.FilaServiceStub) -> None:
         nonlocal sent
         while time.monotonic() < end:
-            await stub.Enqueue(request)
+            await stub.Enqueue(request, metadata=_md())
             sent += 1
 
     await asyncio.gather(*(loop(service_pb2_grpc.FilaServiceStub(c)) for c in channels))
@@ -75,7 +86,9 @@ async def _unary50(addr: str, end: float, connections: int = 50) -> int:
 
 
 async def _sdk50(addr: str, end: float, connections: int = 50) -> int:
-    clients = [AsyncClient(addr, channel_options=LOCAL_POOL) for _ in range(connections)]
+    clients = [
+        AsyncClient(addr, api_key=API_KEY, channel_options=LOCAL_POOL) for _ in range(connections)
+    ]
     sent = 0
 
     async def loop(client: AsyncClient) -> None:
@@ -101,7 +114,7 @@ async def _batch(addr: str, end: float) -> int:
         async def loop() -> None:
             nonlocal sent
             while time.monotonic() < end:
-                await stub.EnqueueBatch(request)
+                await stub.EnqueueBatch(request, metadata=_md())
                 sent += 100
 
         await asyncio.gather(*(loop() for _ in range(4)))
@@ -118,7 +131,7 @@ async def _drain(addr: str, end: float) -> int:
             yield service_pb2.StreamConsumeRequest(ack_ids=await settled.get())
 
     async with grpc.aio.insecure_channel(addr) as channel:
-        call = service_pb2_grpc.FilaServiceStub(channel).StreamConsume(requests())
+        call = service_pb2_grpc.FilaServiceStub(channel).StreamConsume(requests(), metadata=_md())
         async for frame in call:
             ids = [m.id for m in frame.messages]
             received += len(ids)
@@ -147,15 +160,16 @@ async def _unary_lifecycle(addr: str, end: float) -> int:
     async def produce() -> None:
         stub = service_pb2_grpc.FilaServiceStub(producer)
         while time.monotonic() < end:
-            await stub.Enqueue(request)
+            await stub.Enqueue(request, metadata=_md())
 
     async def consume() -> None:
         nonlocal acked
         stub = service_pb2_grpc.FilaServiceStub(consumer)
-        call = stub.Consume(service_pb2.ConsumeRequest(queue=QUEUE))
+        call = stub.Consume(service_pb2.ConsumeRequest(queue=QUEUE), metadata=_md())
         async for response in call:
             if response.message.id:
-                await stub.Ack(service_pb2.AckRequest(queue=QUEUE, message_id=response.message.id))
+                ack = service_pb2.AckRequest(queue=QUEUE, message_id=response.message.id)
+                await stub.Ack(ack, metadata=_md())
                 acked += 1
             if time.monotonic() > end:
                 break
@@ -176,6 +190,15 @@ LOADS = {
     "batch": _batch,
     "drain": _drain,
 }
+
+
+async def tenant_key(addr: str, boot: str) -> str:
+    """A key that may produce and consume on the load's queue, and nothing else (not a
+    superadmin: every call is authenticated and checked against its ACL)."""
+    async with AsyncClient(addr, api_key=boot) as admin:
+        created = await admin.create_api_key("profile-load")
+        await admin.set_acl(created.key_id, [f"produce:{QUEUE}", f"consume:{QUEUE}"])
+        return created.key
 
 
 def _summary(raw: Path, top: int) -> str:
@@ -207,13 +230,24 @@ def main() -> int:
     parser.add_argument("--persist-mode", choices=("sync", "buffer"), default="sync")
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--raw", type=Path, help="keep py-spy's raw (collapsed) output here")
+    parser.add_argument(
+        "--auth",
+        action="store_true",
+        help="auth on; the load presents a key that may produce and consume on its queue",
+    )
+    parser.add_argument("--config", default="", help="more of the broker's TOML")
     args = parser.parse_args()
     py_spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
     with tempfile.TemporaryDirectory(prefix="fila-profile-") as tmp:
-        server = ServerProcess(Path(tmp) / "data", persist_mode=args.persist_mode)
+        boot = "profile-bootstrap-key"
+        toml = args.config + (f'\n[auth]\nbootstrap_apikey = "{boot}"\n' if args.auth else "")
+        server = ServerProcess(Path(tmp) / "data", config_toml=toml, persist_mode=args.persist_mode)
         server.start()
         try:
+            use_key(boot if args.auth else None)
             asyncio.run(_create_queue(server.addr))
+            if args.auth:
+                use_key(asyncio.run(tenant_key(server.addr, boot)))
             if args.mode == "drain":  # a backlog to drain
                 asyncio.run(_batch(server.addr, time.monotonic() + args.seconds * 0.75))
             raw = args.raw or Path(tmp) / "profile.txt"

@@ -50,6 +50,7 @@ from fila.security.failures import (
 from fila.security.keyring import BOOTSTRAP_NAME, Keyring, Refusal
 from fila.security.keystore import LocalKeyStore, StoredKeys
 from fila.server.access import RULES, Scope
+from fila.server.auth import AuthInterceptor
 from fila.storage.backend import MemoryStorage, RocksStorage
 from fila.storage.committer import Committer
 from fila.testing.server import ServerProcess
@@ -1160,6 +1161,79 @@ def test_a_key_lost_before_anyone_listened_reports_it_to_the_first_listener() ->
         for caller in (revoked, expiring):
             lost = caller.key_lost()
             assert lost.done() and "revoked or expired" in str(lost.result())
+        committer.close()
+
+    asyncio.run(scenario())
+
+
+def test_an_acl_change_applies_to_the_next_check_of_a_key_already_checked() -> None:
+    """A key's ACL answers are remembered per queue (fila.security.keyring); SetAcl
+    forgets them, so the very next check sees the new ACL."""
+
+    async def scenario() -> None:
+        committer = Committer(MemoryStorage(), "buffer", lambda exc: None)
+        keyring = Keyring(LocalKeyStore(MemoryStorage(), committer), ManualClock(), BOOT)
+        record, key, written = keyring.create(None, "tenant", 0, False)
+        await written
+        await keyring.set_acl(None, record.key_id, [("produce", "a")])
+        caller = keyring.authenticate(key)
+        assert not isinstance(caller, Refusal)
+        assert (caller.permits(Kind.PRODUCE, "a"), caller.permits(Kind.PRODUCE, "b")) == (
+            True,
+            False,
+        )
+        await keyring.set_acl(None, record.key_id, [("produce", "b")])
+        assert (caller.permits(Kind.PRODUCE, "a"), caller.permits(Kind.PRODUCE, "b")) == (
+            False,
+            True,
+        )
+        committer.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_auth_interceptor_reuses_a_keys_wrapper_and_refuses_it_once_revoked() -> None:
+    """The authorized wrapper of a (method, key) is built once (fila.server.auth); a
+    revoked key is refused before anything is reused, and another key gets its own."""
+    method = "/fila.v1.FilaService/Enqueue"
+
+    async def behaviour(request: Any, context: Any) -> None:
+        return None
+
+    handler = grpc.unary_unary_rpc_method_handler(behaviour)
+    handlers = [handler]
+
+    async def continuation(details: Any) -> Any:
+        return handlers[-1]
+
+    @dataclass
+    class Details:
+        method: str
+        invocation_metadata: tuple[tuple[str, str], ...]
+
+    async def scenario() -> None:
+        committer = Committer(MemoryStorage(), "buffer", lambda exc: None)
+        keyring = Keyring(LocalKeyStore(MemoryStorage(), committer), ManualClock(), BOOT)
+        interceptor = AuthInterceptor(keyring)
+        first, first_key, written = keyring.create(None, "first", 0, False)
+        await written
+        _, second_key, written = keyring.create(None, "second", 0, False)
+        await written
+
+        async def wrapper(key: str) -> Any:
+            details = Details(method, (("authorization", f"Bearer {key}"),))
+            return await interceptor.intercept_service(continuation, details)  # type: ignore[arg-type]
+
+        reused = await wrapper(first_key)
+        assert reused is not handler
+        assert await wrapper(first_key) is reused
+        other = await wrapper(second_key)
+        assert other is not reused
+        await keyring.revoke(None, first.key_id)
+        assert await wrapper(first_key) is not reused  # the refusal, not the wrapper
+        assert await wrapper(second_key) is other
+        handlers.append(grpc.unary_unary_rpc_method_handler(behaviour))  # another server
+        assert await wrapper(second_key) is not other
         committer.close()
 
     asyncio.run(scenario())

@@ -57,18 +57,40 @@ class Refusal(Enum):
     EXPIRED = "API key expired"
 
 
-class _KeyState:
-    """One live key: its record, its ACL, and what open streams wait on."""
+# ACL decisions remembered per key (see `_KeyState.decisions`), at most this many.
+_MAX_DECISIONS = 4096
 
-    __slots__ = ("caller", "lost", "permissions", "record", "timer")
+
+class _KeyState:
+    """One live key: its record, its ACL, and what open streams wait on.
+
+    `decisions` remembers what the ACL answered for each (kind, queue) asked about, so
+    a client calling on the same queues pays the pattern matching once; it is cleared
+    whenever the ACL changes (`set_permissions`, the one way to change it)."""
+
+    __slots__ = ("caller", "decisions", "lost", "permissions", "record", "timer")
 
     def __init__(self, record: ApiKeyRecord, permissions: tuple[Permission, ...]) -> None:
         self.record = record
         self.permissions = permissions
+        self.decisions: dict[tuple[Kind, str], bool] = {}
         # Created on first use by a stream; resolved when the key is revoked or expires.
         self.lost: asyncio.Future[Unauthenticated] | None = None
         self.timer: asyncio.TimerHandle | None = None
         self.caller: Caller | None = None
+
+    def set_permissions(self, permissions: tuple[Permission, ...]) -> None:
+        self.permissions = permissions
+        self.decisions.clear()
+
+    def permits(self, kind: Kind, queue: str) -> bool:
+        decisions = self.decisions
+        decided = decisions.get((kind, queue))
+        if decided is None:
+            if len(decisions) >= _MAX_DECISIONS:
+                decisions.clear()
+            decided = decisions[(kind, queue)] = covers(self.permissions, kind, queue)
+        return decided
 
 
 class Caller:
@@ -101,7 +123,8 @@ class Caller:
         return f'API key "{self.name}" ({self.key_id})'
 
     def permits(self, kind: Kind, queue: str) -> bool:
-        return self.is_superadmin or covers(self._state.permissions, kind, queue)
+        state = self._state
+        return state.record.is_superadmin or state.permits(kind, queue)
 
     def permits_everywhere(self, kind: Kind) -> bool:
         """Holds `kind` on `*` (or is a superadmin): for operations on no single queue."""
@@ -286,7 +309,7 @@ class Keyring:
     def mirror_acl(self, key_id: str, permissions: tuple[Permission, ...]) -> None:
         state = self._by_id.get(key_id)
         if state is not None:
-            state.permissions = permissions
+            state.set_permissions(permissions)
 
     def mirror_remove(self, key_id: str) -> None:
         """A key revoked (here, or through another node): it stops working and its

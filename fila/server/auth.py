@@ -15,6 +15,16 @@ case-insensitively, as HTTP defines it). The interceptor
   authorized in this one place, before their handler runs. Handlers are
   grpc.aio coroutines or async generators; the wrapper keeps their shape.
 
+A client makes the same calls with the same key over and over, so what does not
+change between its calls is built once: the wrapped handler of each (method, key)
+is kept (`_HandlerCache`), and the key's ACL answers are remembered per queue
+(`fila.security.keyring`, cleared when its ACL changes). What can change is checked
+on every call: the presented key is hashed and looked up (so a revoked key is
+refused before anything is reused), and the wrapper checks again, when the request
+has arrived, that the key is still valid. grpc.aio shows an interceptor the call's
+method and metadata but not its connection, so the reuse is per key, which is what
+a connection presents on every call.
+
 Without a bootstrap key there is no interceptor: no caller is bound and
 `fila.server.access` allows everything.
 """
@@ -86,6 +96,26 @@ def peer_host(peer: str) -> str:
     return host if sep and host else peer
 
 
+class _HandlerCache:
+    """The authorized wrapper of each (method, caller), built once (see the module
+    docstring); at most `limit` of them, forgotten all at once past it."""
+
+    def __init__(self, limit: int = 4096) -> None:
+        self._limit = limit
+        self._wrapped: dict[tuple[str, Caller], tuple[Handler, Handler]] = {}
+
+    def authorized(self, method: str, handler: Handler, caller: Caller) -> Handler:
+        key = (method, caller)
+        found = self._wrapped.get(key)
+        if found is not None and found[0] is handler:
+            return found[1]
+        if len(self._wrapped) >= self._limit:
+            self._wrapped.clear()
+        wrapped = _authorized(handler, caller, access.rule_for(method))
+        self._wrapped[key] = (handler, wrapped)
+        return wrapped
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
     def __init__(
         self, keyring: Keyring, guard: FailureGuard | None = None, lookup: KeyLookup | None = None
@@ -93,6 +123,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self._keyring = keyring
         self._guard = guard or FailureGuard()
         self._lookup = lookup
+        self._handlers = _HandlerCache()
 
     async def intercept_service(
         self,
@@ -115,7 +146,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             caller = self._keyring.authenticate(token)
         if isinstance(caller, Refusal):
             return self._refusal(handler, method, caller, fingerprint(token))
-        return _authorized(handler, caller, access.rule_for(method))
+        return self._handlers.authorized(method, handler, caller)
 
     def _refusal(self, handler: Handler, method: str, refusal: Refusal, key_print: str) -> Handler:
         guard = self._guard
