@@ -14,7 +14,9 @@ MODE is the load, from this process:
   published clients' way);
 - `batch`: four loops of `EnqueueBatch` with 100 messages of 1 KiB;
 - `drain`: a backlog preloaded with `batch`, drained by one `StreamConsume` stream
-  (max_batch 100, prefetch 1,000) acking on the stream.
+  (max_batch 100, prefetch 1,000) acking on the stream;
+- `worker50`: a backlog preloaded with `batch`, drained by 50 `fila_sdk.Worker`s with
+  one slot each, on connections of their own (the durability matrix's drain).
 
 It starts a broker on a free port in a temporary directory, attaches
 `py-spy record` for the load's duration (py-spy from PyPI; it needs ptrace, so run
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import collections
+import contextlib
 import shutil
 import subprocess
 import sys
@@ -40,7 +43,7 @@ import grpc.aio
 
 from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
-from fila_sdk import AsyncClient
+from fila_sdk import AsyncClient, Message, Worker
 
 QUEUE = "p"
 LOCAL_POOL = (("grpc.use_local_subchannel_pool", 1),)
@@ -181,6 +184,23 @@ async def _unary_lifecycle(addr: str, end: float) -> int:
     return acked
 
 
+async def _worker50(addr: str, end: float) -> int:
+    clients = [AsyncClient(addr, api_key=API_KEY, channel_options=LOCAL_POOL) for _ in range(50)]
+    handled = 0
+
+    async def handle(message: Message) -> None:
+        nonlocal handled
+        handled += 1
+
+    async with contextlib.AsyncExitStack() as stack:
+        for client in clients:
+            await stack.enter_async_context(Worker(client, QUEUE, handle, concurrency=1))
+        await asyncio.sleep(max(0.0, end - time.monotonic()))  # the load runs meanwhile
+    for client in clients:
+        await client.close()
+    return handled
+
+
 LOADS = {
     "unary50": _unary50,
     "sdk50": _sdk50,
@@ -189,6 +209,7 @@ LOADS = {
     "unary_lifecycle": _unary_lifecycle,
     "batch": _batch,
     "drain": _drain,
+    "worker50": _worker50,
 }
 
 
@@ -248,7 +269,7 @@ def main() -> int:
             asyncio.run(_create_queue(server.addr))
             if args.auth:
                 use_key(asyncio.run(tenant_key(server.addr, boot)))
-            if args.mode == "drain":  # a backlog to drain
+            if args.mode in ("drain", "worker50"):  # a backlog to drain
                 asyncio.run(_batch(server.addr, time.monotonic() + args.seconds * 0.75))
             raw = args.raw or Path(tmp) / "profile.txt"
             duration = str(int(args.seconds) + 1)

@@ -47,6 +47,23 @@ async def test_a_batch_frame_records_its_leases_in_one_write() -> None:
 
 
 @run_async
+async def test_a_frame_of_settlements_is_stored_in_one_write() -> None:
+    """Every ack and nack of one StreamConsume request (its leases and messages deleted,
+    a nacked message rewritten) goes to the WAL in one append."""
+    core = make_core(queues=["q"])
+    await core.enqueue("q", 6)
+    consumer = await core.attach("q", prefetch=6, max_batch=6, stream=True)
+    ids = core.take(consumer)
+    writes = core.storage.writes
+    core.broker.settle_on_stream(
+        consumer.id, "q", ids[:5], [(ids[5], "boom")]
+    )  # what one request carries
+    core.committer.write_now()
+    assert core.storage.writes == writes + 1
+    assert core.stored_message(ids[0]) is None
+
+
+@run_async
 async def test_delivered_counts_the_messages_sent_not_those_only_buffered() -> None:
     core = make_core(queues=["q"])
     await core.enqueue("q", 5)
