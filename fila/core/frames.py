@@ -13,6 +13,7 @@ A stream that asked for `max_batch > 1` gets every frame in the repeated
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 
 from google.protobuf.timestamp_pb2 import Timestamp
@@ -46,25 +47,25 @@ def encoded_timestamp(ms: int) -> bytes:
     return body
 
 
+@functools.lru_cache(maxsize=64)
 def leased_at_suffix(leased_at_ms: int) -> bytes:
-    """An encoded `Message{timestamps{leased_at}}` to append to a stored record."""
+    """An encoded `Message{timestamps{leased_at}}` to append to a stored record; the
+    deliveries of one millisecond share it (most frames of a busy stream are)."""
     stamp = encoded_timestamp(leased_at_ms)
     timestamps = b"\x12" + varint(len(stamp)) + stamp  # MessageTimestamps.leased_at = 2
     return b"\x2a" + varint(len(timestamps)) + timestamps  # Message.timestamps = 5
 
 
 def single_frame(record: bytes, leased_at_ms: int) -> bytes:
-    body = record + leased_at_suffix(leased_at_ms)
-    return _MESSAGE_TAG + varint(len(body)) + body
+    """One frame carrying the record in `message`, copied once."""
+    suffix = leased_at_suffix(leased_at_ms)
+    return b"".join((_MESSAGE_TAG, varint(len(record) + len(suffix)), record, suffix))
 
 
 def batch_frame(deliveries: Iterable[tuple[bytes, int]]) -> bytes:
     """One frame carrying every (record, leased_at_ms) in `messages`."""
     parts: list[bytes] = []
-    suffix_for: dict[int, bytes] = {}
     for record, leased_at_ms in deliveries:
-        suffix = suffix_for.get(leased_at_ms)
-        if suffix is None:
-            suffix = suffix_for[leased_at_ms] = leased_at_suffix(leased_at_ms)
+        suffix = leased_at_suffix(leased_at_ms)
         parts += (_MESSAGES_TAG, varint(len(record) + len(suffix)), record, suffix)
     return b"".join(parts)
