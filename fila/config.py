@@ -212,6 +212,8 @@ class ClusterSection:
     etcd_prefix: str = "/fila"
     # etcd grants whole seconds and no lease shorter than about 2 s (its minimum TTL)
     lease_ttl_ms: Annotated[int, AtLeast(2000), AtMost(3_600_000)] = 5000
+    # nodes that hold each queue created from now on (a leader and followers; SPEC 9)
+    replication_factor: Annotated[int, AtLeast(1), AtMost(7)] = 1
 
     @property
     def enabled(self) -> bool:
@@ -242,6 +244,7 @@ ENV_OVERRIDES: dict[str, tuple[str, str]] = {
     "FILA_NODE_ID": ("cluster", "node_id"),
     "FILA_ADVERTISE_ADDR": ("cluster", "advertise_addr"),
     "FILA_ETCD_ENDPOINTS": ("cluster", "etcd_endpoints"),
+    "FILA_REPLICATION_FACTOR": ("cluster", "replication_factor"),
 }
 
 # Looked for, in order, when neither --config nor FILA_CONFIG names a file.
@@ -341,6 +344,8 @@ def _check_cluster(config: Config, source: str) -> None:
     cluster = config.cluster
     if not cluster.enabled:
         given = [k for k in ("advertise_addr", "etcd_endpoints") if getattr(cluster, k)]
+        if cluster.replication_factor != 1:
+            given.append("replication_factor")
         if given:
             raise ConfigError(
                 f'{source}: "cluster.{given[0]}" is set but "cluster.node_id" is not: set '

@@ -1,25 +1,29 @@
 #!/usr/bin/env python3
-"""Crash soak: kill -9 the broker again and again under load, then count what broke.
+"""Crash soak: kill -9 brokers again and again under load, then count what broke.
 
     python scripts/crash_soak.py [--cycles 20] [--producers 50] [--consumers 50]
+    python scripts/crash_soak.py --cluster [--cycles 10] [--producers 20] [--consumers 4]
 
-Producers enqueue uniquely tagged messages and remember which enqueues were
-answered; consumers ack what they receive and remember which acks were answered.
-Every path is exercised: producers take turns on unary `Enqueue`, `EnqueueBatch`
-(10 per call) and `StreamEnqueue` (5 per request); consumers on `Consume` with
-unary `Ack`, and `StreamConsume` (max_batch 10) with confirmed `AckBatch` acks or
-with acks written on the stream (unconfirmed, so never counted as answered).
-Every cycle runs the load for a random 0.5-2.5 s, SIGKILLs the broker, and starts
-it again on the same data directory. At the end the queue is drained and:
+The load and the verdict are `fila.testing.soak`'s: producers remember which
+enqueues were answered, consumers which acks were; at the end the queue is drained
+and these are counted:
 
 - lost: an answered enqueue that was never delivered (sync mode promises none);
 - duplicated: one tag stored under two message ids (the broker stored a message twice);
 - resurrected: a message delivered again after its ack was answered.
 
-An enqueue or ack whose answer never came (the broker died first) may go either
-way; those are counted as "unanswered", never as failures. Exits 1 unless lost,
-duplicated and resurrected are all 0. Not part of the test suite: it takes a few
-minutes.
+One node: every cycle runs the load for a random 0.5-2.5 s, SIGKILLs the broker, and
+starts it again on the same data directory.
+
+`--cluster`: three nodes and an etcd member, the queue created with
+`replication_factor = 3`. Every cycle runs the load for a random while, SIGKILLs the
+queue's leader, measures how long until an enqueue is answered again (the failover:
+the goal is within `lease_ttl_ms` + 1 s), and starts the killed node again once it
+has been replaced, so the next cycle kills a leader that was elected.
+
+Exits 1 unless lost, duplicated and resurrected are all 0 (and, with --cluster,
+every failover was within its goal). Not part of the test suite: it takes minutes
+(tests/test_replication.py runs a short version of the cluster mode).
 """
 
 from __future__ import annotations
@@ -31,204 +35,74 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from fila.testing.etcd import EtcdCluster
 from fila.testing.server import ServerProcess
-from fila.v1 import admin_pb2, admin_pb2_grpc, service_pb2, service_pb2_grpc
+from fila.testing.soak import Ledger, Targets, consume, produce
+from fila.v1 import admin_pb2, admin_pb2_grpc
 
 QUEUE = "soak"
-CHANNELS = 8
-# Reconnect at once after each restart instead of gRPC's default backoff of seconds.
-FAST_RECONNECT = [
-    ("grpc.initial_reconnect_backoff_ms", 50),
-    ("grpc.min_reconnect_backoff_ms", 50),
-    ("grpc.max_reconnect_backoff_ms", 200),
-]
+LEASE_TTL_MS = 2000
 
 
-@dataclass
-class Ledger:
-    answered_enqueues: dict[str, str] = field(default_factory=dict)  # tag -> id
-    unanswered_enqueues: int = 0
-    acked_at: dict[str, float] = field(default_factory=dict)  # id -> when the ack answered
-    unanswered_acks: int = 0
-    deliveries: list[tuple[str, str, float]] = field(default_factory=list)  # id, tag, when
-    next_tag: int = 0
-
-    def tag(self) -> str:
-        self.next_tag += 1
-        return f"t{self.next_tag}"
-
-
-def _message(ledger: Ledger) -> tuple[str, service_pb2.EnqueueRequest]:
-    tag = ledger.tag()
-    return tag, service_pb2.EnqueueRequest(queue=QUEUE, headers={"tag": tag}, payload=b"x" * 256)
-
-
-def _record(ledger: Ledger, tags: list[str], results: Iterable[service_pb2.EnqueueResult]) -> None:
-    for tag, result in zip(tags, results, strict=True):
-        if result.WhichOneof("result") == "message_id":
-            ledger.answered_enqueues[tag] = result.message_id
-        else:
-            ledger.unanswered_enqueues += 1
-
-
-async def _produce(
-    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event, path: int
-) -> None:
-    while not stop.is_set():
-        try:
-            if path == 0:
-                tag, request = _message(ledger)
-                reply = await stub.Enqueue(request, timeout=5, wait_for_ready=True)
-                ledger.answered_enqueues[tag] = reply.message_id
-            elif path == 1:
-                tags, requests = zip(*(_message(ledger) for _ in range(10)), strict=True)
-                batch = service_pb2.EnqueueBatchRequest(messages=requests)
-                try:
-                    answer = await stub.EnqueueBatch(batch, timeout=5, wait_for_ready=True)
-                except grpc.aio.AioRpcError:
-                    ledger.unanswered_enqueues += len(tags) - 1  # one more below
-                    raise
-                _record(ledger, list(tags), answer.results)
-            else:
-                await _stream_enqueue(stub, ledger, stop)
-        except grpc.aio.AioRpcError:
-            ledger.unanswered_enqueues += 1
-            await asyncio.sleep(0.05)  # the broker is down: retry pacing, not a wait for state
-
-
-async def _stream_enqueue(
-    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event
-) -> None:
-    """One StreamEnqueue stream, one request of 5 in flight, until it breaks or stop."""
-    call = stub.StreamEnqueue(wait_for_ready=True)
-    sequence = 0
-    try:
-        while not stop.is_set():
-            sequence += 1
-            tags, requests = zip(*(_message(ledger) for _ in range(5)), strict=True)
-            await call.write(
-                service_pb2.StreamEnqueueRequest(sequence_number=sequence, messages=requests)
-            )
-            answer = await call.read()
-            if answer is grpc.aio.EOF:
-                ledger.unanswered_enqueues += len(tags)
-                return
-            _record(ledger, list(tags), answer.results)
-    finally:
-        call.cancel()
-
-
-async def _consume(
-    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event, path: int
-) -> None:
-    while not stop.is_set():
-        try:
-            if path == 0:
-                await _consume_unary(stub, ledger, stop)
-            else:
-                await _consume_stream(stub, ledger, stop, ack_on_stream=path == 2)
-        except grpc.aio.AioRpcError:
-            await asyncio.sleep(0.05)  # the broker is down: reconnect pacing
-
-
-async def _consume_unary(
-    stub: service_pb2_grpc.FilaServiceStub, ledger: Ledger, stop: asyncio.Event
-) -> None:
-    call = stub.Consume(service_pb2.ConsumeRequest(queue=QUEUE), wait_for_ready=True)
-    async for frame in call:
-        if not frame.HasField("message"):
-            continue
-        message = frame.message
-        ledger.deliveries.append((message.id, message.headers["tag"], time.monotonic()))
-        try:
-            await stub.Ack(service_pb2.AckRequest(queue=QUEUE, message_id=message.id), timeout=5)
-        except grpc.aio.AioRpcError:
-            ledger.unanswered_acks += 1
-            continue
-        ledger.acked_at[message.id] = time.monotonic()
-        if stop.is_set():
-            return
-
-
-async def _consume_stream(
-    stub: service_pb2_grpc.FilaServiceStub,
-    ledger: Ledger,
-    stop: asyncio.Event,
-    *,
-    ack_on_stream: bool,
-) -> None:
-    call = stub.StreamConsume(wait_for_ready=True)
-    try:
-        await call.write(service_pb2.StreamConsumeRequest(queue=QUEUE, max_batch=10, prefetch=20))
-        while not stop.is_set():
-            frame = await call.read()
-            if frame is grpc.aio.EOF:
-                return
-            messages = list(frame.messages) or ([frame.message] if frame.message.id else [])
-            now = time.monotonic()
-            ids = [m.id for m in messages]
-            ledger.deliveries += [(m.id, m.headers["tag"], now) for m in messages]
-            if not ids:
-                continue
-            if ack_on_stream:  # no answer: these acks are never counted as answered
-                await call.write(service_pb2.StreamConsumeRequest(ack_ids=ids))
-                ledger.unanswered_acks += len(ids)
-                continue
-            request = service_pb2.AckBatchRequest(
-                acks=[service_pb2.AckRequest(queue=QUEUE, message_id=i) for i in ids]
-            )
-            try:
-                answer = await stub.AckBatch(request, timeout=5)
-            except grpc.aio.AioRpcError:
-                ledger.unanswered_acks += len(ids)
-                continue
-            acked_at = time.monotonic()
-            for message_id, result in zip(ids, answer.results, strict=True):
-                if result.code == 0:
-                    ledger.acked_at[message_id] = acked_at
-                else:
-                    ledger.unanswered_acks += 1
-    finally:
-        call.cancel()
-
-
-async def _depth(addr: str) -> tuple[int, int]:
+async def _create(addr: str) -> None:
     async with grpc.aio.insecure_channel(addr) as channel:
-        stats = await admin_pb2_grpc.FilaAdminStub(channel).GetStats(
+        await admin_pb2_grpc.FilaAdminStub(channel).CreateQueue(
+            admin_pb2.CreateQueueRequest(
+                name=QUEUE, config=admin_pb2.QueueConfig(visibility_timeout_ms=2000)
+            ),
+            timeout=20,
+        )
+
+
+async def _stats(addr: str) -> admin_pb2.GetStatsResponse:
+    async with grpc.aio.insecure_channel(addr) as channel:
+        return await admin_pb2_grpc.FilaAdminStub(channel).GetStats(
             admin_pb2.GetStatsRequest(queue=QUEUE), timeout=10, wait_for_ready=True
         )
-    return stats.depth, stats.in_flight
+
+
+async def _drain(addresses: list[str], stop_consuming: asyncio.Event) -> None:
+    """Until the queue is empty (polling with a deadline), then stops the consumers."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        for addr in addresses:
+            try:
+                stats = await _stats(addr)
+            except grpc.aio.AioRpcError:
+                continue
+            if (stats.depth, stats.in_flight) == (0, 0):
+                stop_consuming.set()
+                return
+            break
+        await asyncio.sleep(0.2)  # polling the drain with a deadline
+    stop_consuming.set()
+
+
+def _start_load(
+    targets: Targets, ledger: Ledger, producers: int, consumers: int
+) -> tuple[list[asyncio.Task[None]], asyncio.Event, asyncio.Event]:
+    stop_producing, stop_consuming = asyncio.Event(), asyncio.Event()
+    tasks = [
+        asyncio.create_task(produce(targets, QUEUE, ledger, stop_producing, i % 3))
+        for i in range(producers)
+    ] + [
+        asyncio.create_task(consume(targets, QUEUE, ledger, stop_consuming, i % 3))
+        for i in range(consumers)
+    ]
+    return tasks, stop_producing, stop_consuming
 
 
 async def soak(cycles: int, producers: int, consumers: int, workdir: Path) -> dict[str, object]:
     server = ServerProcess(workdir / "data", persist_mode="sync", config_toml="[server]\n")
     server.start()
-    async with grpc.aio.insecure_channel(server.addr) as channel:
-        await admin_pb2_grpc.FilaAdminStub(channel).CreateQueue(
-            admin_pb2.CreateQueueRequest(
-                name=QUEUE, config=admin_pb2.QueueConfig(visibility_timeout_ms=2000)
-            ),
-            timeout=10,
-        )
+    await _create(server.addr)
     ledger = Ledger()
-    channels = [
-        grpc.aio.insecure_channel(server.addr, options=FAST_RECONNECT) for _ in range(CHANNELS)
-    ]
-    stubs = [service_pb2_grpc.FilaServiceStub(ch) for ch in channels]
-    stop_producing, stop_consuming = asyncio.Event(), asyncio.Event()
-    tasks = [
-        asyncio.create_task(_produce(stubs[i % CHANNELS], ledger, stop_producing, i % 3))
-        for i in range(producers)
-    ] + [
-        asyncio.create_task(_consume(stubs[i % CHANNELS], ledger, stop_consuming, i % 3))
-        for i in range(consumers)
-    ]
+    targets = Targets([server.addr], channels_per_node=8)
+    tasks, stop_producing, stop_consuming = _start_load(targets, ledger, producers, consumers)
     rng = random.Random(7)
     try:
         for cycle in range(cycles):
@@ -241,59 +115,129 @@ async def soak(cycles: int, producers: int, consumers: int, workdir: Path) -> di
                 flush=True,
             )
         stop_producing.set()
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if await _depth(server.addr) == (0, 0):
-                break
-            await asyncio.sleep(0.2)  # polling the drain with a deadline
-        stop_consuming.set()
+        await _drain([server.addr], stop_consuming)
     finally:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for channel in channels:
-            await channel.close()
+        await targets.close()
         server.stop()
+    return {"cycles": cycles, "producers": producers, "consumers": consumers, **ledger.verdict()}
 
-    delivered_ids = {message_id for message_id, _, _ in ledger.deliveries}
-    lost = [tag for tag, mid in ledger.answered_enqueues.items() if mid not in delivered_ids]
-    ids_by_tag: dict[str, set[str]] = {}
-    for message_id, tag, _ in ledger.deliveries:
-        ids_by_tag.setdefault(tag, set()).add(message_id)
-    duplicated = [tag for tag, ids in ids_by_tag.items() if len(ids) > 1]
-    resurrected = [
-        message_id
-        for message_id, _, when in ledger.deliveries
-        if message_id in ledger.acked_at and when > ledger.acked_at[message_id]
-    ]
+
+def cluster_nodes(workdir: Path, etcd: EtcdCluster, count: int = 3) -> list[ServerProcess]:
+    """`count` nodes of one cluster on `etcd`, with `replication_factor = count`."""
+    from fila.testing.children import free_port
+
+    nodes = []
+    endpoints = ", ".join(f'"{e}"' for e in etcd.endpoints)
+    for node_id in range(1, count + 1):
+        port = free_port()
+        config = (
+            f'[cluster]\nnode_id = {node_id}\nadvertise_addr = "127.0.0.1:{port}"\n'
+            f"etcd_endpoints = [{endpoints}]\nlease_ttl_ms = {LEASE_TTL_MS}\n"
+            f"replication_factor = {count}\n"
+        )
+        nodes.append(
+            ServerProcess(
+                workdir / f"node{node_id}" / "data",
+                persist_mode="sync",
+                config_toml=config,
+                port=port,
+            )
+        )
+    return nodes
+
+
+async def leader_of(addresses: list[str]) -> int:
+    """The node id leading the queue, as the first node that answers says."""
+    for addr in addresses:
+        try:
+            return int((await _stats(addr)).leader_node_id)
+        except grpc.aio.AioRpcError:
+            continue
+    raise RuntimeError("no node answered GetStats")
+
+
+async def soak_cluster(
+    cycles: int, producers: int, consumers: int, workdir: Path, seed: int = 7
+) -> dict[str, object]:
+    etcd = EtcdCluster(workdir / "etcd").start()
+    nodes = cluster_nodes(workdir, etcd)
+    for node in nodes:
+        node.start()
+    addresses = [node.addr for node in nodes]
+    await _create(addresses[0])
+    ledger = Ledger()
+    targets = Targets(addresses)
+    tasks, stop_producing, stop_consuming = _start_load(targets, ledger, producers, consumers)
+    rng = random.Random(seed)
+    failovers: list[float] = []
+    try:
+        for cycle in range(cycles):
+            await asyncio.sleep(rng.uniform(0.5, 2.5))  # load runs for a random while
+            leader = await leader_of(addresses)
+            killed_at = time.monotonic()
+            await asyncio.to_thread(nodes[leader - 1].kill)
+            deadline = killed_at + 30
+            while (answered := ledger.first_answer_after(killed_at)) is None:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"no enqueue answered within 30 s of killing node {leader}")
+                await asyncio.sleep(0.05)  # polling the ledger with a deadline
+            failovers.append(answered - killed_at)
+            await asyncio.to_thread(nodes[leader - 1].start)
+            print(
+                f"cycle {cycle + 1}/{cycles}: killed leader {leader}, answered again after "
+                f"{failovers[-1]:.2f} s; answered enqueues {len(ledger.answered_enqueues)}, "
+                f"answered acks {len(ledger.acked_at)}",
+                flush=True,
+            )
+        stop_producing.set()
+        await _drain(addresses, stop_consuming)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await targets.close()
+        for node in nodes:
+            if node.running:
+                node.stop()
+        etcd.stop()
+    goal_s = LEASE_TTL_MS / 1000 + 1
     return {
         "cycles": cycles,
         "producers": producers,
         "consumers": consumers,
-        "answered_enqueues": len(ledger.answered_enqueues),
-        "unanswered_enqueues": ledger.unanswered_enqueues,
-        "deliveries": len(ledger.deliveries),
-        "answered_acks": len(ledger.acked_at),
-        "unanswered_acks": ledger.unanswered_acks,
-        "lost": len(lost),
-        "duplicated": len(duplicated),
-        "resurrected": len(resurrected),
+        **ledger.verdict(),
+        "failover_s": [round(f, 3) for f in failovers],
+        "failover_goal_s": goal_s,
+        "failovers_over_goal": sum(1 for f in failovers if f > goal_s),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cycles", type=int, default=20)
-    parser.add_argument("--producers", type=int, default=50)
-    parser.add_argument("--consumers", type=int, default=50)
+    parser.add_argument("--cluster", action="store_true", help="three replicated nodes")
+    parser.add_argument("--cycles", type=int, default=None, help="20 (--cluster: 10)")
+    parser.add_argument("--producers", type=int, default=None, help="50 (--cluster: 20)")
+    parser.add_argument("--consumers", type=int, default=None, help="50 (--cluster: 4)")
     parser.add_argument("--out", type=Path, help="also write the counts as JSON here")
     args = parser.parse_args()
+    cycles = args.cycles or (10 if args.cluster else 20)
+    producers = args.producers or (20 if args.cluster else 50)
+    consumers = args.consumers or (4 if args.cluster else 50)
     with tempfile.TemporaryDirectory(prefix="fila-soak-") as tmp:
-        report = asyncio.run(soak(args.cycles, args.producers, args.consumers, Path(tmp)))
+        run = soak_cluster if args.cluster else soak
+        report = asyncio.run(run(cycles, producers, consumers, Path(tmp)))
     print(json.dumps(report, indent=2))
     if args.out:
         args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    failed = report["lost"] or report["duplicated"] or report["resurrected"]
+    failed = (
+        report["lost"]
+        or report["duplicated"]
+        or report["resurrected"]
+        or report.get("failovers_over_goal")
+    )
     return 1 if failed else 0
 
 

@@ -1,16 +1,22 @@
 #!/usr/bin/env bash
-# The one way to produce fila/v1/*_pb2*.py{,i} from proto/fila/v1/*.proto.
+# The one way to produce the generated stubs: fila/v1/*_pb2*.py{,i} from
+# proto/fila/v1/*.proto (the public API) and fila/internal/v1/ from
+# proto/fila/internal/v1/ (what cluster nodes say to each other).
 # CI runs `scripts/gen_proto.sh --check` and fails when the committed stubs drift.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+DIRS=(fila/v1 fila/internal/v1)
+
 generate() {
   local out="$1"
-  mkdir -p "$out/fila/v1"
-  python -m grpc_tools.protoc -Iproto \
-    --python_out="$out" --grpc_python_out="$out" \
-    --mypy_out="$out" --mypy_grpc_out="$out" \
-    proto/fila/v1/messages.proto proto/fila/v1/service.proto proto/fila/v1/admin.proto >/dev/null
+  for dir in "${DIRS[@]}"; do
+    mkdir -p "$out/$dir"
+    python -m grpc_tools.protoc -Iproto \
+      --python_out="$out" --grpc_python_out="$out" \
+      --mypy_out="$out" --mypy_grpc_out="$out" \
+      proto/"$dir"/*.proto >/dev/null
+  done
 }
 
 if [[ "${1:-}" == "--check" ]]; then
@@ -18,15 +24,17 @@ if [[ "${1:-}" == "--check" ]]; then
   trap 'rm -rf "$tmp"' EXIT
   generate "$tmp"
   status=0
-  for f in "$tmp"/fila/v1/*; do
-    name="$(basename "$f")"
-    if ! cmp -s "$f" "fila/v1/$name"; then
-      echo "drift: fila/v1/$name differs from what proto/ generates; run scripts/gen_proto.sh" >&2
-      status=1
-    fi
+  for dir in "${DIRS[@]}"; do
+    for f in "$tmp/$dir"/*; do
+      name="$(basename "$f")"
+      if ! cmp -s "$f" "$dir/$name"; then
+        echo "drift: $dir/$name differs from what proto/ generates; run scripts/gen_proto.sh" >&2
+        status=1
+      fi
+    done
   done
   exit "$status"
 fi
 
 generate .
-echo "generated fila/v1 stubs from proto/fila/v1"
+echo "generated ${DIRS[*]} stubs from proto/"

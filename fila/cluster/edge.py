@@ -35,6 +35,7 @@ from fila.cluster.nodes import Nodes
 from fila.cluster.peers import Peers, is_forwarded
 from fila.cluster.placement import Placements
 from fila.cluster.queue_admin import ClusterQueues
+from fila.cluster.replication.service import Replication
 from fila.cluster.routing import LOCAL, ROUTES, Reads, Route, Router, Rule
 from fila.cluster.shared import SharedConfig
 from fila.cluster.streams import StreamSplitter
@@ -70,6 +71,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         mirror: Mirror,
         layout: Layout,
         broker: Broker,
+        replication: Replication,
         readers: StreamReaders | None = None,
     ) -> None:
         self._router = router
@@ -85,6 +87,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             nodes=nodes,
             lease=lease,
             broker=broker,
+            replication=replication,
         )
         self._batches = BatchSplitter(router, peers, self._max_batch)
         self._fresh_reads = FreshReads(layout, mirror)
@@ -132,6 +135,8 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
             return _decided(inner, self._fresh(rule.reads))
         if route is Route.CLUSTER:
             return _decided(inner, self._cluster_status)
+        if route is Route.REMOVE_NODE:
+            return _decided(inner, self._remove_node)
         return inner  # Route.LOCAL
 
     # -- one queue -----------------------------------------------------------------------
@@ -144,7 +149,7 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
                 return await self._queues.forward(target, method, request, context, queue)
             response = await local(request, context)
             if isinstance(response, admin_pb2.GetStatsResponse):
-                response.leader_node_id = self._node_id
+                self._queues.stats(response, queue)
             return response
 
         return _decided(inner, decide)
@@ -232,6 +237,11 @@ class Edge(grpc.aio.ServerInterceptor):  # type: ignore[type-arg]
         self, request: admin_pb2.ClusterStatusRequest, context: Context, local: Behaviour
     ) -> admin_pb2.ClusterStatusResponse:
         return self._queues.status()
+
+    async def _remove_node(
+        self, request: admin_pb2.RemoveNodeRequest, context: Context, local: Behaviour
+    ) -> admin_pb2.RemoveNodeResponse:
+        return await self._queues.remove_node(request)
 
 
 # -- plumbing ----------------------------------------------------------------------------------

@@ -25,6 +25,7 @@ from typing import Any, Final, TypeVar, cast
 import grpc
 import grpc.aio
 from etcd3aio import Etcd3Client, EtcdError, prefix_range_end
+from etcd3aio._protobuf import Compare
 from etcd3aio.kv import KVService
 
 from fila.cluster.reconnect import RECONNECT_BACKOFF
@@ -137,6 +138,16 @@ class Change:
 
 
 @dataclass(frozen=True, slots=True)
+class Swapped:
+    """The answer of `swap`: whether it put the value, the entry there now (None:
+    absent), and the revision of that state."""
+
+    swapped: bool
+    entry: Entry | None
+    revision: int
+
+
+@dataclass(frozen=True, slots=True)
 class Created:
     """The answer of `create`: whether this call created the key, the entry that is
     there now, and the revision of that state."""
@@ -238,6 +249,50 @@ class Etcd:
             return Created(True, Entry(key, value, revision, lease), revision)
         kvs = list(response.responses[0].response_range.kvs) if response.responses else []
         return Created(False, _entry(kvs[0]) if kvs else None, revision)
+
+    async def swap(
+        self,
+        key: str,
+        expected: bytes | None,
+        value: bytes,
+        *,
+        not_on_lease: tuple[str, int] | None = None,
+    ) -> Swapped:
+        """Puts `value` at `key` only if `key` holds exactly `expected` (None: `key`
+        does not exist) and, with `not_on_lease` = (other key, lease), the other key is
+        not attached to that lease (absent, or on another): one transaction, so of two
+        rivals deciding on the same value exactly one wins. Not made again when etcd
+        does not answer (the first may have been applied: the caller reads to know)."""
+        compare = [
+            KVService.txn_compare_create_revision(key, 0)
+            if expected is None
+            else KVService.txn_compare_value(key, expected)
+        ]
+        if not_on_lease is not None:
+            other, lease = not_on_lease
+            compare.append(
+                Compare(
+                    result=Compare.NOT_EQUAL,
+                    target=Compare.LEASE,
+                    key=other.encode(),
+                    lease=lease,
+                )
+            )
+        response = await self._call(
+            "transaction",
+            self._kv.txn(
+                compare,
+                [KVService.txn_op_put(key, value)],
+                [KVService.txn_op_get(key)],
+                timeout=CALL_TIMEOUT_S,
+                max_attempts=1,
+            ),
+        )
+        revision = int(response.header.revision)
+        if response.succeeded:
+            return Swapped(True, Entry(key, value, revision, 0), revision)
+        kvs = list(response.responses[0].response_range.kvs) if response.responses else []
+        return Swapped(False, _entry(kvs[0]) if kvs else None, revision)
 
     # -- leases ----------------------------------------------------------------------
 

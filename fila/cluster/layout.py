@@ -71,9 +71,14 @@ def placed_name(queue: str) -> str:
 
 @dataclass(frozen=True, slots=True)
 class NodeRecord:
+    """A live node's membership record. `lease` is the etcd lease it is attached to,
+    which tells one incarnation of a node from the next (a replicated queue's record
+    names the lease its leader held)."""
+
     node_id: int
     advertise_addr: str
     started_at_ms: int
+    lease: int = 0
 
     def encode(self) -> bytes:
         return json.dumps(
@@ -81,13 +86,19 @@ class NodeRecord:
                 "node_id": self.node_id,
                 "advertise_addr": self.advertise_addr,
                 "started_at_ms": self.started_at_ms,
+                "lease": self.lease,
             }
         ).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> NodeRecord:
         doc = json.loads(raw)
-        return cls(int(doc["node_id"]), str(doc["advertise_addr"]), int(doc["started_at_ms"]))
+        return cls(
+            int(doc["node_id"]),
+            str(doc["advertise_addr"]),
+            int(doc["started_at_ms"]),
+            int(doc.get("lease", 0)),
+        )
 
 
 @dataclass(frozen=True, slots=True)

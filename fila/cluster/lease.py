@@ -48,6 +48,7 @@ import contextlib
 import logging
 import math
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Final
 
 from fila.cluster.address import Addresses
@@ -102,10 +103,26 @@ class NodeLease:
         self._holder_record: NodeRecord | None = None  # and the record it holds
         self._served = False
         self._leaving = False
+        self._listeners: list[Callable[[], None]] = []
 
     @property
     def node_id(self) -> int:
         return self._record.node_id
+
+    @property
+    def lease(self) -> int:
+        """The lease this node's membership key is on now (0: none)."""
+        return self._lease
+
+    def subscribe(self, listener: Callable[[], None]) -> None:
+        """`listener()` whenever the lease changes (joined with a new one, or lost)."""
+        self._listeners.append(listener)
+
+    def _set_lease(self, lease: int) -> None:
+        if lease != self._lease:
+            self._lease = lease
+            for listener in self._listeners:
+                listener()
 
     @property
     def serving(self) -> bool:
@@ -157,14 +174,16 @@ class NodeLease:
         try:
             await self._identity.record_lease(lease)
             for _attempt in range(2):
-                created = await self._etcd.create(self._key, self._record.encode(), lease=lease)
+                record = replace(self._record, lease=lease)
+                created = await self._etcd.create(self._key, record.encode(), lease=lease)
                 holder = created.entry
                 # The key on the lease just granted (only this process knows it) is ours:
                 # a create whose connection closed under it (a hung etcd member's, see
                 # fila.cluster.etcd) is made again by etcd3aio, and finds its own key.
                 if created.created or (holder is not None and holder.lease == lease):
-                    self._lease = self._previous = lease
+                    self._previous = lease
                     self._renewed(sent, granted)
+                    self._set_lease(lease)
                     log.info(
                         "joined the cluster node=%d lease=%x ttl_s=%d", self.node_id, lease, granted
                     )
@@ -251,7 +270,7 @@ class NodeLease:
             failures = 0
             if ttl <= 0:
                 log.error("etcd expired this node's lease %x; rejoining", self._lease)
-                self._lease = 0
+                self._set_lease(0)
                 self._fence()
                 continue
             self._renewed(sent, ttl)
@@ -266,14 +285,15 @@ class NodeLease:
     async def _restore_key(self) -> None:
         self._repair.clear()
         try:
-            created = await self._etcd.create(self._key, self._record.encode(), lease=self._lease)
+            record = replace(self._record, lease=self._lease)
+            created = await self._etcd.create(self._key, record.encode(), lease=self._lease)
         except EtcdUnavailable:
             self._repair.set()
             return
         holder = created.entry
         if not created.created and (holder is None or holder.lease != self._lease):
             log.error("membership key taken by lease %x; rejoining", holder.lease if holder else 0)
-            self._lease = 0
+            self._set_lease(0)
             self._fence()
 
     def _renewed(self, sent: float, ttl_s: int) -> None:
@@ -315,7 +335,8 @@ class NodeLease:
         self._leaving = True
         self._fence()
         if self._lease:
-            lease, self._lease = self._lease, 0
+            lease = self._lease
+            self._set_lease(0)
             await self._revoke_quietly(lease)
 
 

@@ -36,10 +36,12 @@ from fila.cluster.mirror import Mirror
 from fila.cluster.nodes import Nodes
 from fila.cluster.peers import Peers
 from fila.cluster.placement import Placements
+from fila.cluster.replication.service import Replication
 from fila.cluster.routing import Router
 from fila.cluster.shared import EtcdKeyStore, KeyMirror, SharedConfig, find_key
 from fila.config import Config
 from fila.core.broker import Broker
+from fila.core.errors import BrokerError
 from fila.security.keyring import Keyring
 from fila.server.readers import StreamReaders
 from fila.storage import keys
@@ -72,7 +74,7 @@ class ClusterNode:
             NodeRecord(self.node_id, cluster.advertise_addr, broker.clock.now_ms()),
             cluster.lease_ttl_ms,
             Identity(storage, committer),
-            broker.end_consumers,
+            self._fenced,
             self._addresses,
         )
         self.config = SharedConfig(self._etcd, self.layout, self.mirror, broker)
@@ -80,6 +82,23 @@ class ClusterNode:
         self.keyring = Keyring(store, SystemClock(), config.auth.bootstrap_apikey)
         key_mirror = KeyMirror(self.keyring)
         self.peers = Peers(self.node_id, peer_credentials(config))
+        bootstrap = config.auth.bootstrap_apikey
+        self.replication = Replication(
+            node_id=self.node_id,
+            lag_ms=cluster.lease_ttl_ms,
+            replication_factor=cluster.replication_factor,
+            broker=broker,
+            storage=storage,
+            committer=committer,
+            lease=self.lease,
+            etcd=self._etcd,
+            layout=self.layout,
+            mirror=self.mirror,
+            nodes=self.nodes,
+            placements=self.placements,
+            peers=self.peers,
+            metadata=(("authorization", f"Bearer {bootstrap}"),) if bootstrap else (),
+        )
         self.router = Router(
             self.node_id,
             self.lease,
@@ -88,6 +107,7 @@ class ClusterNode:
             self.mirror,
             self.layout,
             broker.clock,
+            self.replication,
         )
         self.mirror.add(sections.NODES, self.nodes)
         self.mirror.add(sections.QUEUES, self.placements)
@@ -122,6 +142,7 @@ class ClusterNode:
                 await asyncio.sleep(0.5)
         local = [q.name for q in self._broker.queues.values() if not q.record.dlq_of]
         await self.placements.reconcile(self.node_id, local)
+        self.replication.start()
         log.info(
             "cluster state loaded node=%d nodes_up=%d queues=%d revision=%d",
             self.node_id,
@@ -146,6 +167,7 @@ class ClusterNode:
                 mirror=self.mirror,
                 layout=self.layout,
                 broker=self._broker,
+                replication=self.replication,
                 readers=readers,
             )
         ]
@@ -159,16 +181,28 @@ class ClusterNode:
         async with asyncio.TaskGroup() as group:
             group.create_task(self.lease.run(), name="fila-cluster-lease")
             group.create_task(self.mirror.run(self._revision), name="fila-cluster-mirror")
+            group.create_task(self.replication.run(), name="fila-cluster-replication")
 
     async def leave(self) -> None:
         await self.lease.release()
 
+    def replication_handler(self) -> grpc.GenericRpcHandler:  # type: ignore[type-arg]
+        """The Follow service other nodes replicate through (`fila.internal.v1`)."""
+        return self.replication.handler()
+
     async def close(self) -> None:
         for check in self._checks:
             check.cancel()
+        await self.replication.close()
         await self.peers.close()
         await self.mirror.close()
         await self._etcd.close()
+
+    def _fenced(self, reason: BrokerError) -> None:
+        """The lease lapsed: consume streams end, and replicated writes waiting on this
+        node are answered (not acknowledged)."""
+        self._broker.end_consumers(reason)
+        self.replication.fenced()
 
     def _node_changed(self, node_id: int, record: NodeRecord | None) -> None:
         if node_id == self.node_id and record is None and self.lease.serving:

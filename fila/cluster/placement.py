@@ -6,14 +6,22 @@ the live node owning the fewest queues, the lowest node id among equals (`choose
 The owner records it in etcd with a create-if-absent transaction (`claim`) before it
 creates the queue locally, so queue names are unique across the cluster and of two
 concurrent creates of one name exactly one wins; the owner deletes the record
-(`release`) after it deleted the queue locally. A placement never moves in this first
-step (no replication): a dead owner's queues wait for it.
+(`release`) after it deleted the queue locally. An unreplicated queue's placement
+never moves: a dead owner's queues wait for it.
+
+With `[cluster] replication_factor` > 1 a queue is created on a replica set: the
+chosen owner leads it, and the live nodes holding the fewest replicas follow it
+(`choose_followers`). Its record then also holds the replicas, the in-sync set
+(at first the leader alone), the epoch and the leader's lease; from then on only
+the replication protocol changes it (`fila.cluster.replication`), and listeners
+(`subscribe`) hear of every change.
 
 `reconcile` repairs the two ways a crash can leave etcd and a node's disk out of
 step, at startup, before the node serves: a queue on disk with no placement (created
 before the data directory joined a cluster, or a lost claim) is claimed for this
 node; a placement naming this node with no queue on disk (a crash between claim and
-create, or between delete and release) is released.
+create, or between delete and release) is released. Replicated queues are left to
+the replication protocol, which knows their replicas.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 import json
 import logging
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from fila.clock import Clock
 from fila.cluster.etcd import Etcd
@@ -43,6 +51,15 @@ class Placements:
         self._owners: dict[str, Placement] = {}
         # Names this node is creating: claimed in etcd, not yet on disk (see reconcile).
         self.creating: set[str] = set()
+        self._listeners: list[Callable[[str, Placement | None], None]] = []
+
+    def subscribe(self, listener: Callable[[str, Placement | None], None]) -> None:
+        """`listener(name, placement)` on every change (None: released), in etcd's order."""
+        self._listeners.append(listener)
+
+    def get(self, queue: str) -> Placement | None:
+        """The placement covering `queue` (a DLQ: its queue's)."""
+        return self._owners.get(placed_name(queue))
 
     def owner(self, queue: str) -> int | None:
         """The node owning `queue` (a DLQ: its queue's), None if etcd has no such queue."""
@@ -63,10 +80,42 @@ class Placements:
         counts = self.counts()
         return min(live, key=lambda node_id: (counts.get(node_id, 0), node_id))
 
-    async def claim(self, name: str, node_id: int) -> None:
-        """Records `node_id` as the owner of `name`; QueueAlreadyExists if it has one.
+    def replica_counts(self) -> dict[int, int]:
+        """Queues each node holds a copy of (leading or following)."""
+        counts: dict[int, int] = {}
+        for placement in self._owners.values():
+            for node_id in placement.replicas or (placement.node_id,):
+                counts[node_id] = counts.get(node_id, 0) + 1
+        return counts
+
+    def choose_followers(self, live: Iterable[int], leader: int, count: int) -> list[int]:
+        """`count` live nodes other than `leader` holding the fewest replicas (the
+        lowest ids among equals); fewer if there are not that many."""
+        counts = self.replica_counts()
+        others = sorted(
+            (node_id for node_id in live if node_id != leader),
+            key=lambda node_id: (counts.get(node_id, 0), node_id),
+        )
+        return others[:count]
+
+    async def claim(
+        self, name: str, node_id: int, *, followers: tuple[int, ...] = (), lease: int = 0
+    ) -> None:
+        """Records `node_id` as the owner of `name` (with `followers`: the leader of a
+        replicated queue, whose etcd lease is `lease`); QueueAlreadyExists if it has one.
         Raises EtcdUnavailable when etcd cannot tell."""
         placement = Placement(node_id, uuid.uuid4().hex, self._clock.now_ms())
+        if followers:
+            placement = Placement(
+                node_id,
+                placement.claim,
+                placement.created_at_ms,
+                replicas=(node_id, *followers),
+                isr=(node_id,),
+                epoch=1,
+                leader_lease=lease,
+                version=1,
+            )
         key = self._layout.queue(name)
         created = await self._etcd.create(key, placement.encode())
         if not created.created:
@@ -102,7 +151,7 @@ class Placements:
                     owner,
                 )
         for name, placement in sorted(self._owners.items()):
-            if placement.node_id == node_id and name not in on_disk:
+            if placement.node_id == node_id and name not in on_disk and not placement.replicated:
                 log.warning(
                     "queue %s is placed on this node in etcd but not on its disk (a crash "
                     "between placement and creation, or after deletion): releasing it",
@@ -114,12 +163,18 @@ class Placements:
 
     def put(self, name: str, value: bytes) -> None:
         try:
-            self._owners[name] = Placement.decode(value)
+            placement = Placement.decode(value)
         except (ValueError, KeyError, TypeError, json.JSONDecodeError) as exc:
             log.error("unreadable placement of queue %s in etcd ignored: %s", name, exc)
+            return
+        self._owners[name] = placement
+        for listener in self._listeners:
+            listener(name, placement)
 
     def delete(self, name: str) -> None:
-        self._owners.pop(name, None)
+        if self._owners.pop(name, None) is not None:
+            for listener in self._listeners:
+                listener(name, None)
 
 
 def _claim_of(raw: bytes) -> str | None:

@@ -1,6 +1,7 @@
-"""Cluster mode's queue administration, typed: where a queue is created, how its
-deletion releases its placement, how every node's queues are listed as one, and what
-`ClusterStatus` answers.
+"""Cluster mode's queue administration, typed: where a queue is created (and, with
+`replication_factor` > 1, on which replicas), how its deletion releases its
+placement, how every node's queues are listed as one (with each one's leader,
+replicas and in-sync set), what `ClusterStatus` answers, and `RemoveNode`.
 
 The edge (`fila.cluster.edge`) only routes: it hands each admin call here with its
 request decoded and the local handler (`local`), and maps a `BrokerError` to the
@@ -19,14 +20,15 @@ import grpc.aio
 
 from fila.cluster.errors import OwnerDown
 from fila.cluster.etcd import EtcdUnavailable
-from fila.cluster.layout import NodeRecord
+from fila.cluster.layout import NodeRecord, Placement
 from fila.cluster.lease import NodeLease
 from fila.cluster.nodes import Nodes
 from fila.cluster.peers import Peers, is_forwarded
 from fila.cluster.placement import Placements
+from fila.cluster.replication.service import Replication
 from fila.cluster.routing import LOCAL, Router
 from fila.core.broker import Broker
-from fila.core.errors import BrokerError, QueueAlreadyExists, QueueNotFound
+from fila.core.errors import BrokerError, QueueAlreadyExists, QueueNotFound, Unavailable
 from fila.core.queue import validate_queue_name
 from fila.server import access
 from fila.v1 import admin_pb2
@@ -60,8 +62,10 @@ class ClusterQueues:
         nodes: Nodes,
         lease: NodeLease,
         broker: Broker,
+        replication: Replication,
     ) -> None:
         self._router = router
+        self._replication = replication
         self._node_id = router.node_id
         self._peers = peers
         self._placements = placements
@@ -143,19 +147,40 @@ class ClusterQueues:
             max_attempts=config.max_attempts,
             retry_backoff=config.retry_backoff,
         )
+        followers = self._followers()
         placements = self._placements
         placements.creating.add(name)
         try:
-            await placements.claim(name, self._node_id)
+            await placements.claim(
+                name, self._node_id, followers=followers, lease=self._lease.lease
+            )
             self._router.unknown.forget(name)
             try:
-                return await local(request, context)
+                response = await local(request, context)
             except BaseException:
                 if name not in self._broker.queues:
                     await placements.release(name)
                 raise
         finally:
             placements.creating.discard(name)
+        if followers:  # answered once its followers hold it too, or after the lag bound
+            await self._replication.in_sync(name, self._replication.lag_ms / 1000)
+        return response
+
+    def _followers(self) -> tuple[int, ...]:
+        """The followers of a queue created here now: `replication_factor` - 1 live nodes
+        holding the fewest replicas; Unavailable when fewer nodes are up."""
+        factor = self._replication.factor
+        if factor <= 1:
+            return ()
+        live = [node.node_id for node in self._nodes.live()]
+        followers = self._placements.choose_followers(live, self._node_id, factor - 1)
+        if len(followers) < factor - 1:
+            raise Unavailable(
+                f"replication_factor is {factor} but {len(followers) + 1} node(s) are up: "
+                "start more nodes, or lower replication_factor"
+            )
+        return tuple(followers)
 
     # -- delete ------------------------------------------------------------------------------
 
@@ -199,6 +224,7 @@ class ClusterQueues:
         response: admin_pb2.ListQueuesResponse = await local(request, context)
         for info in response.queues:
             info.leader_node_id = self._node_id
+            self._replicas(info)
         response.cluster_node_count = len(self._nodes)
         if is_forwarded(context):
             return response
@@ -212,7 +238,9 @@ class ClusterQueues:
             owner = self._placements.owner(name)
             for shown in (name, dlq_name(name)):
                 if shown not in listed and owner is not None and access.may_see(shown):
-                    listed[shown] = admin_pb2.QueueInfo(name=shown, leader_node_id=owner)
+                    listed[shown] = self._replicas(
+                        admin_pb2.QueueInfo(name=shown, leader_node_id=owner)
+                    )
         return admin_pb2.ListQueuesResponse(
             queues=[listed[name] for name in sorted(listed)],
             cluster_node_count=len(self._nodes),
@@ -235,9 +263,45 @@ class ClusterQueues:
             return []
         return list(admin_pb2.ListQueuesResponse.FromString(raw).queues)
 
+    def _replicas(self, info: admin_pb2.QueueInfo) -> admin_pb2.QueueInfo:
+        """`info` with the queue's replicas and in-sync set from its placement."""
+        placement = self._placements.get(info.name)
+        if placement is None:
+            return info
+        replicas, in_sync = replica_sets(placement)
+        del info.replica_node_ids[:]
+        del info.in_sync_node_ids[:]
+        info.replica_node_ids.extend(replicas)
+        info.in_sync_node_ids.extend(in_sync)
+        info.replication_count = len(in_sync)
+        return info
+
+    def stats(self, response: admin_pb2.GetStatsResponse, queue: str) -> None:
+        """GetStats answered here: this node leads the queue; its replicas and ISR."""
+        response.leader_node_id = self._node_id
+        placement = self._placements.get(queue)
+        if placement is None:
+            response.replication_count = 1
+            return
+        replicas, in_sync = replica_sets(placement)
+        response.replica_node_ids.extend(replicas)
+        response.in_sync_node_ids.extend(in_sync)
+        response.replication_count = len(in_sync)
+
     def status(self) -> admin_pb2.ClusterStatusResponse:
         """The nodes this node knows (live ones, and down ones that still own queues)."""
         counts = self._placements.counts()
+        following: dict[int, int] = {}
+        in_sync: dict[int, int] = {}
+        for name in self._placements.names():
+            placement = self._placements.get(name)
+            if placement is None:
+                continue
+            for node_id in placement.replicas:
+                if node_id != placement.node_id:
+                    following[node_id] = following.get(node_id, 0) + 1
+                    if node_id in placement.isr:
+                        in_sync[node_id] = in_sync.get(node_id, 0) + 1
         live = {node.node_id: node for node in self._nodes.live()}
         statuses = [
             admin_pb2.ClusterNodeStatus(
@@ -249,7 +313,26 @@ class ClusterQueues:
                 ),
                 up=node_id in live,
                 queue_count=counts.get(node_id, 0),
+                follower_count=following.get(node_id, 0),
+                in_sync_count=in_sync.get(node_id, 0),
             )
-            for node_id in sorted(live.keys() | counts.keys())
+            for node_id in sorted(live.keys() | counts.keys() | following.keys())
         ]
         return admin_pb2.ClusterStatusResponse(enabled=True, node_id=self._node_id, nodes=statuses)
+
+    async def remove_node(
+        self, request: admin_pb2.RemoveNodeRequest
+    ) -> admin_pb2.RemoveNodeResponse:
+        removal = await self._replication.remove_node(request.node_id, request.discard_lost_queues)
+        return admin_pb2.RemoveNodeResponse(moved=removal.moved, discarded=removal.discarded)
+
+
+def replica_sets(placement: Placement) -> tuple[list[int], list[int]]:
+    """A queue's replicas (leader first) and in-sync set (leader first); an
+    unreplicated queue is its owner alone."""
+    leader = placement.node_id
+    if not placement.replicated:
+        return [leader], [leader]
+    replicas = [leader, *sorted(n for n in placement.replicas if n != leader)]
+    in_sync = [n for n in replicas if n in placement.isr]
+    return replicas, in_sync

@@ -21,6 +21,13 @@ is found at once; a name etcd did not know is not asked about again for a moment
 they ask (the auth interceptor for calls on one queue, the edge and the stream
 splitter for each item): a queue the caller may not touch is never looked up.
 
+A replicated queue (`fila.cluster.replication`) is served by its leader while the
+replication protocol says it leads it and may serve; its record names the leader and
+the lease it held: a named leader that is down, or a later incarnation of it (which
+leads nothing until an election), means the queue has no leader for now (`NoLeader`,
+naming the in-sync replicas it waits for), and a leader elected a moment ago that is
+still rebuilding the queue says so (`TakingOver`).
+
 `ROUTES` says, per method, which shape of routing applies; `fila.cluster.edge`
 carries it out. A test checks it covers every method of both services, as
 `fila.server.access.RULES` does, so a new RPC cannot bypass routing.
@@ -31,18 +38,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final
+from typing import Final, Protocol
 
 from fila.clock import Clock
-from fila.cluster.errors import NotOwner, OwnerDown
-from fila.cluster.layout import Layout, NodeRecord, placed_name
+from fila.cluster.errors import NoLeader, NotOwner, OwnerDown
+from fila.cluster.layout import Layout, NodeRecord, Placement, placed_name
 from fila.cluster.lease import NodeLease
 from fila.cluster.mirror import Mirror
 from fila.cluster.nodes import Nodes
 from fila.cluster.placement import Placements
 from fila.cluster.unknown import UnknownQueues
-from fila.core.errors import InvalidArgument
+from fila.core.errors import BrokerError, InvalidArgument
 from fila.core.queue import validate_queue_name
+
+
+class Replicas(Protocol):
+    """What routing asks the replication protocol (`fila.cluster.replication`)."""
+
+    def serving(self, group: str) -> bool: ...
+
+    def leads(self, group: str) -> bool: ...
+
+    def unavailable(self, group: str) -> BrokerError: ...
 
 
 class Local(Enum):
@@ -63,8 +80,10 @@ class Router:
         mirror: Mirror,
         layout: Layout,
         clock: Clock,
+        replicas: Replicas | None = None,
     ) -> None:
         self.node_id = node_id
+        self._replicas = replicas
         self._lease = lease
         self._placements = placements
         self._nodes = nodes
@@ -86,6 +105,10 @@ class Router:
         return self.decide(queue, owner, forwarded=forwarded)
 
     def decide(self, queue: str, owner: int | None, *, forwarded: bool) -> Target:
+        if self._replicas is not None and owner is not None:
+            placement = self._placements.get(queue)
+            if placement is not None and placement.replicated:
+                return self._decide_replicated(queue, placement, forwarded=forwarded)
         if owner is None or owner == self.node_id:
             if not self._lease.serving:
                 raise self._lease.fenced_error()
@@ -95,6 +118,22 @@ class Router:
         node = self._nodes.get(owner)
         if node is None:
             raise OwnerDown(placed_name(queue), owner)
+        return node
+
+    def _decide_replicated(self, queue: str, placement: Placement, *, forwarded: bool) -> Target:
+        assert self._replicas is not None
+        group = placed_name(queue)
+        if placement.node_id == self.node_id or self._replicas.leads(group):
+            if self._replicas.serving(group):
+                return LOCAL
+            if not self._lease.serving:
+                raise self._lease.fenced_error()
+            raise self._replicas.unavailable(group)
+        if forwarded:
+            raise NotOwner(queue, self.node_id, placement.node_id)
+        node = self._nodes.get(placement.node_id)
+        if node is None or (node.lease and node.lease != placement.leader_lease):
+            raise NoLeader(group, placement.isr)
         return node
 
 
@@ -118,6 +157,7 @@ class Route(Enum):
     FRESH = "fresh"  # a read of shared state: refresh it from etcd, then answer here
     LOCAL = "local"  # answered here (API key writes go to etcd through the KeyStore)
     CLUSTER = "cluster"  # ClusterStatus: this node's view of the cluster
+    REMOVE_NODE = "remove_node"  # RemoveNode: a gone node's replicas moved, in etcd
 
 
 class Reads(Enum):
@@ -168,5 +208,5 @@ ROUTES: Final[Mapping[str, Rule]] = {
     _A + "SetAcl": Rule(Route.FRESH, reads=Reads.KEY_ID),
     _A + "GetAcl": Rule(Route.FRESH, reads=Reads.KEY_ID),
     _A + "ClusterStatus": Rule(Route.CLUSTER),
-    _A + "RemoveNode": Rule(Route.LOCAL),
+    _A + "RemoveNode": Rule(Route.REMOVE_NODE),
 }

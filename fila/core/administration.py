@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from fila.core import retry, stored
 from fila.core.drr import FairnessKey
 from fila.core.errors import (
+    BrokerError,
     ConfigKeyNotFound,
     InvalidArgument,
     QueueAlreadyExists,
@@ -171,7 +172,7 @@ class Administration:
         )
         committer = self.state.committer
         self._add_queue(record, hooks)
-        committer.put(keys.queue_key(name), record.encode())
+        committer.put(keys.queue_key(name), record.encode(), name)
         orphan = self.state.queues.get(dlq_record.name)
         if orphan is None:
             self._add_queue(dlq_record, None)
@@ -185,7 +186,7 @@ class Administration:
                 "messages; restart the broker to bring back the queue's stored messages",
                 extra={"queue": name, "dlq": dlq_record.name, "dlq_depth": orphan.depth},
             )
-        committer.put(keys.queue_key(dlq_record.name), dlq_record.encode())
+        committer.put(keys.queue_key(dlq_record.name), dlq_record.encode(), name)
         log.info("queue created", extra={"queue": name})
         return committer.flushed()
 
@@ -321,7 +322,7 @@ class Administration:
             hooks = self._make_hooks(updated)
         queue.record = updated
         queue.hooks = hooks
-        self.state.committer.put(keys.queue_key(name), updated.encode())
+        self.state.committer.put(keys.queue_key(name), updated.encode(), name)
         log.info("queue updated", extra={"queue": name, "fields": ",".join(sorted(changes))})
         return updated, self.state.committer.flushed()
 
@@ -498,7 +499,7 @@ class Administration:
             if bad is not None:
                 state.quarantine.set_aside(committer, moved.key, record, bad)
                 continue
-            committer.put(moved.key, record)
+            committer.put(moved.key, record, source.name)
             moved_refs.append(moved)
         state.ready_after_commit(source, moved_refs, fresh=True)
         source.counters.redriven += len(moved_refs)
@@ -645,10 +646,10 @@ class Administration:
         purged = queue.drr.drain()
         purged += queue.limbo.values()
         for ref in purged:
-            committer.delete(ref.key)
+            committer.delete(ref.key, queue.name)
         for ref in queue.delayed.values():
-            committer.delete(ref.key)
-            committer.delete(keys.delay_key(ref.key))
+            committer.delete(ref.key, queue.name)
+            committer.delete(keys.delay_key(ref.key), queue.name)
         count = len(purged) + len(queue.delayed)
         queue.limbo.clear()
         queue.delayed.clear()
@@ -656,7 +657,20 @@ class Administration:
         log.info("queue purged", extra={"queue": queue.name, "messages": count})
         return count, committer.flushed()
 
-    # -- restore (recovery) ----------------------------------------------------------
+    # -- restore (recovery), and letting go -------------------------------------------
+
+    def unload_queue(self, name: str, reason: BrokerError) -> None:
+        """Stops serving `name` without touching its storage (cluster replication:
+        another node leads it now, and this node keeps its records as a replica). Its
+        consumers end with `reason`; its leases, delays and timers are dropped from
+        memory, and nothing is written."""
+        queue = self.state.queues.pop(name, None)
+        if queue is None:
+            return
+        queue.deleted = True  # what still waits on it (timers, commits) lets it be
+        self.state.unmark_dirty(queue)
+        queue.consumers.close_all(reason)
+        self._delivery.buffers_released()
 
     def restore_queue(self, record: QueueRecord) -> Queue:
         """A stored queue; a stored script that no longer loads is logged, not fatal."""
@@ -723,11 +737,12 @@ class Administration:
         queue.consumers.close_all(QueueNotFound(queue.name))
         self._delivery.buffers_released()  # its streams' buffers count no more
         self._settlement.queue_deleted(queue)
+        name = queue.name
         for ref in queue.delayed.values():
-            committer.delete(ref.key)
-            committer.delete(keys.delay_key(ref.key))
+            committer.delete(ref.key, name)
+            committer.delete(keys.delay_key(ref.key), name)
         queue.delayed.clear()
         for ref in itertools.chain(queue.drr.drain(), queue.limbo.values()):
-            committer.delete(ref.key)
+            committer.delete(ref.key, name)
         queue.limbo.clear()
-        committer.delete(keys.queue_key(queue.name))
+        committer.delete(keys.queue_key(name), name)

@@ -30,14 +30,14 @@ Message life cycle:
 from __future__ import annotations
 
 import random as _random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from fila.clock import Clock
 from fila.core.administration import Administration
 from fila.core.delivery import Delivery
 from fila.core.enqueue import Enqueueing, ItemResult
 from fila.core.errors import Unavailable
-from fila.core.recovery import RecoveryReport, recover
+from fila.core.recovery import RecoveryReport, recover, recover_queues
 from fila.core.retry import Random
 from fila.core.settlement import Settlement
 from fila.core.state import BrokerSettings, CoreState
@@ -122,10 +122,19 @@ class Broker:
         self.peek = admin.peek
         self.peek_states = admin.peek_states
         self.purge = admin.purge
+        # Cluster replication: a queue another node leads now is let go of, its
+        # storage kept (consumers end with the reason given).
+        self.unload_queue = admin.unload_queue
 
-    def recover(self) -> RecoveryReport:
-        """Rebuilds the state from storage (at startup, before serving)."""
-        return recover(self._state, self._admin)
+    def recover(self, held: Callable[[str], bool] | None = None) -> RecoveryReport:
+        """Rebuilds the state from storage (at startup, before serving), but the
+        queues `held` names (a cluster node's replicas, see `recover_queues`)."""
+        return recover(self._state, self._admin, held=held)
+
+    def recover_queues(self, names: Collection[str]) -> RecoveryReport:
+        """Rebuilds queues `names` from storage while serving (a cluster node that
+        has just taken the lead of a replicated queue)."""
+        return recover_queues(self._state, self._admin, names)
 
     def close(self) -> None:
         """Stops accepting work, returns unsent deliveries and commits what is pending."""

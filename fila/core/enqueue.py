@@ -64,7 +64,8 @@ class Enqueueing:
             delay_ms = request.delay_ms
             raw_id, message_id = next_id()
             key = keys.MESSAGE + raw_id
-            committer.put(key, encode(request, message_id, decision, queue.name, now_ms))
+            record = encode(request, message_id, decision, queue.name, now_ms)
+            committer.put(key, record, queue.name)
             ref = MessageRef(key, decision.fairness_key, decision.weight, decision.throttle_keys, 0)
             if delay_ms:
                 state.delay(queue, ref, now_ms + delay_ms)

@@ -35,6 +35,7 @@ class LeaseTable:
         "_expiring",
         "_on_room",
         "_order",
+        "_queue",
         "_ring",
         "_schedule_expiry",
     )
@@ -45,7 +46,11 @@ class LeaseTable:
         committer: Committer,
         schedule_expiry: Callable[[int], None],
         on_room: Callable[[], None],
+        queue: str = "",
     ) -> None:
+        """`queue`: the queue's name, which its lease records are written under
+        (`Committer.put`)."""
+        self._queue = queue or None
         self._by_key: dict[bytes, Lease] = {}
         self._order = KeyOrder(self._by_key)  # for peek: kept only while there are many
         # deadline ms -> the active leases due then (by message key)
@@ -102,6 +107,7 @@ class LeaseTable:
             committer.put(
                 keys.lease_key(lease.ref.key),
                 keys.encode_lease(lease.deadline_ms, lease.leased_at_ms),
+                self._queue,
             )
             consumer = lease.consumer
             if consumer is not None and consumer.stream_leases is not None:
@@ -116,7 +122,9 @@ class LeaseTable:
         lease.deadline_ms = deadline_ms
         if lease.sent:
             self._committer.put(
-                keys.lease_key(lease.ref.key), keys.encode_lease(deadline_ms, lease.leased_at_ms)
+                keys.lease_key(lease.ref.key),
+                keys.encode_lease(deadline_ms, lease.leased_at_ms),
+                self._queue,
             )
         self._add_expiry(lease)
 
@@ -151,7 +159,7 @@ class LeaseTable:
         self._order.removed(key)
         self._drop_expiry(lease)
         if lease.sent:
-            self._committer.delete(keys.lease_key(key))
+            self._committer.delete(keys.lease_key(key), self._queue)
         consumer = lease.consumer
         if consumer is None:
             return

@@ -171,6 +171,7 @@ class Queue:
             committer,
             lambda deadline_ms: schedule_expiry(self, deadline_ms),
             lambda: mark_dirty(self),
+            record.name,
         )
         self.delayed = DelayedMessages()
         self.limbo: dict[bytes, MessageRef] = {}

@@ -37,6 +37,7 @@ alone, so every later step can go by the name.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field, replace
 
 from fila.core import stored
@@ -100,14 +101,47 @@ def _within_length(end_ms: int, start_ms: int, now_ms: int) -> tuple[int, int]:
     return now_ms + (end_ms - start_ms), now_ms
 
 
-def recover(state: CoreState, admin: Administration) -> RecoveryReport:
+def recover(
+    state: CoreState, admin: Administration, *, held: Callable[[str], bool] | None = None
+) -> RecoveryReport:
+    """Rebuilds everything stored (at startup), but the queues `held` names: those are
+    left on disk, not served (a cluster node's replica of a queue another node leads,
+    served only once this node leads it: `recover_queues`)."""
+    report = _restore(state, admin, held=held or (lambda name: False), startup=True)
+    state.committer.flush_now()
+    state.mark_all_dirty()
+    _report(state, report)
+    return report
+
+
+def recover_queues(
+    state: CoreState, admin: Administration, names: Collection[str]
+) -> RecoveryReport:
+    """Rebuilds the queues `names` from what is stored, as `recover` does at startup,
+    while the broker runs: a cluster node that has just taken the lead of a replicated
+    queue (its records were written here by the leader's replication). The repairs it
+    writes (a lost DLQ record) are committed with the next batch."""
+    wanted = frozenset(names)
+    report = _restore(state, admin, held=lambda name: name not in wanted, startup=False)
+    for name in wanted:
+        queue = state.queues.get(name)
+        if queue is not None:
+            state.mark_dirty(queue)
+    _report(state, report)
+    return report
+
+
+def _restore(
+    state: CoreState, admin: Administration, *, held: Callable[[str], bool], startup: bool
+) -> RecoveryReport:
     storage, committer = state.storage, state.committer
     quarantine = state.quarantine
-    quarantine.count = sum(1 for _ in storage.scan(keys.QUARANTINE))
+    if startup:
+        quarantine.count = sum(1 for _ in storage.scan(keys.QUARANTINE))
     set_aside_before = quarantine.count
     report = RecoveryReport()
     # Config first: a queue's scripts run as they load and may read it (`fila.get`).
-    for raw_key, raw_value in storage.scan(keys.CONFIG):
+    for raw_key, raw_value in storage.scan(keys.CONFIG) if startup else ():
         try:
             name, text = stored.decode_config(raw_key, raw_value)
         except stored.BadRecord as exc:
@@ -116,22 +150,26 @@ def recover(state: CoreState, admin: Administration) -> RecoveryReport:
         admin.restore_config(name, text)
     records: dict[str, QueueRecord] = {}
     for raw_key, raw_queue in storage.scan(keys.QUEUE):
+        if held(keys.queue_name_from_key(raw_key)):
+            continue
         try:
             record = stored.decode_queue(raw_key, raw_queue)
         except stored.BadRecord as exc:
             quarantine.set_aside(committer, raw_key, raw_queue, str(exc))
             continue
         records[record.name] = record
+    restored: list[str] = []
     for record in records.values():
         linked = _linked(record, records)
         if linked != record:
             # Written back, like a recreated DLQ: the next start reads it correct.
-            committer.put(keys.queue_key(linked.name), linked.encode())
+            committer.put(keys.queue_key(linked.name), linked.encode(), linked.name)
             report.relinked_queues.append((record.name, record.dlq_of))
         admin.restore_queue(linked)
+        restored.append(linked.name)
         report.queues += 1
     # Before the messages are placed, so that those of a recreated DLQ find it.
-    for owner in list(state.queues.values()):
+    for owner in [state.queues[name] for name in restored]:
         dlq_name = owner.dlq_name
         if dlq_name is None or dlq_name in state.queues:
             continue
@@ -143,12 +181,13 @@ def recover(state: CoreState, admin: Administration) -> RecoveryReport:
         # same record again, so nothing depends on which start wrote it.
         lost = dlq_record(owner.record, owner.record.created_at_ms)
         admin.restore_queue(lost)
-        committer.put(keys.queue_key(lost.name), lost.encode())
+        committer.put(keys.queue_key(lost.name), lost.encode(), lost.name)
         report.recreated_dlqs.append(lost.name)
+        restored.append(lost.name)
     report.orphan_dlqs = [
-        q.name
-        for q in state.queues.values()
-        if q.record.dlq_of and q.record.dlq_of not in state.queues
+        name
+        for name in restored
+        if state.queues[name].record.dlq_of and state.queues[name].record.dlq_of not in state.queues
     ]
 
     leases: dict[bytes, tuple[int, int]] = {}
@@ -179,6 +218,8 @@ def recover(state: CoreState, admin: Administration) -> RecoveryReport:
                 committer.delete(keys.delay_key(key))
             continue
         meta = message.metadata
+        if held(meta.queue_id):
+            continue  # another queue's, left as it is
         queue = state.queues.get(meta.queue_id)
         if queue is None:
             report.orphans += 1
@@ -210,12 +251,16 @@ def recover(state: CoreState, admin: Administration) -> RecoveryReport:
     report.quarantined = quarantine.count - set_aside_before
     if last_key:
         state.ids.advance_past(last_key[1:])
-    for key in (*leases, *dues):  # side records whose message was deleted: useless alone
-        committer.delete(keys.lease_key(key))
-        committer.delete(keys.delay_key(key))
-        report.stale_side_records += 1
-    committer.flush_now()
-    state.mark_all_dirty()
+    if startup:  # side records whose message was deleted: useless alone
+        for key in (*leases, *dues):
+            committer.delete(keys.lease_key(key))
+            committer.delete(keys.delay_key(key))
+            report.stale_side_records += 1
+    return report
+
+
+def _report(state: CoreState, report: RecoveryReport) -> None:
+    quarantine = state.quarantine
     log.info(
         "recovered",
         extra={
@@ -259,4 +304,3 @@ def recover(state: CoreState, admin: Administration) -> RecoveryReport:
             "damage); create that queue again to take the DLQ back, or delete the DLQ",
             extra={"queue": name, "dlq_of": parent},
         )
-    return report

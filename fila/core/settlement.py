@@ -153,13 +153,13 @@ class Settlement:
         """Every lease of a deleted queue ends with its message."""
         committer = self.state.committer
         for lease in queue.leases.end_all():
-            committer.delete(lease.ref.key)
+            committer.delete(lease.ref.key, queue.name)
 
     # -- the endings ---------------------------------------------------------------------
 
     def _ack(self, queue: Queue, lease: Lease) -> None:
         queue.leases.end(lease)
-        self.state.committer.delete(lease.ref.key)
+        self.state.committer.delete(lease.ref.key, queue.name)
         queue.counters.acked += 1
 
     def _expire(self, subject: tuple[Queue, int]) -> None:
@@ -244,7 +244,7 @@ class Settlement:
         if dlq is not None:
             metadata.queue_id = dlq.name
             metadata.dead_lettered_at.FromMilliseconds(now_ms)
-        state.committer.put(ref.key, stored.rebuild_message(message))
+        state.committer.put(ref.key, stored.rebuild_message(message), queue.name)
         if dlq is not None:
             queue.counters.dead_lettered += 1
             state.ready_after_commit(dlq, [ref], fresh=False)

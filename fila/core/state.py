@@ -193,7 +193,7 @@ class CoreState:
     def delay(self, queue: Queue, ref: MessageRef, due_ms: int) -> None:
         """Stores `ref` as delayed until `due_ms`; it becomes ready then (durably)."""
         queue.delayed[ref.key] = ref
-        self.committer.put(keys.delay_key(ref.key), keys.encode_due(due_ms))
+        self.committer.put(keys.delay_key(ref.key), keys.encode_due(due_ms), queue.name)
         self.committer.after_commit(lambda: self.schedule_release(queue, ref, due_ms))
 
     def schedule_release(self, queue: Queue, ref: MessageRef, due_ms: int) -> None:
@@ -206,7 +206,7 @@ class CoreState:
         if queue.deleted or queue.delayed.get(ref.key) is not ref:
             return  # purged, deleted or already moved
         del queue.delayed[ref.key]
-        self.committer.delete(keys.delay_key(ref.key))
+        self.committer.delete(keys.delay_key(ref.key), queue.name)
         queue.drr.push(ref, fresh=False)
         self.mark_dirty(queue)
 

@@ -15,7 +15,7 @@ import grpc
 from fila.core import retry
 from fila.core.administration import UPDATABLE
 from fila.core.broker import Broker
-from fila.core.errors import InvalidArgument, clip
+from fila.core.errors import InvalidArgument, Unimplemented, clip
 from fila.core.queue import QueueRecord
 from fila.security.keyring import Keyring
 from fila.server import access, rpc
@@ -266,6 +266,15 @@ class FilaAdmin:
         (`fila.cluster.edge`)."""
         return admin_pb2.ClusterStatusResponse(enabled=False)
 
+    async def remove_node(
+        self, request: admin_pb2.RemoveNodeRequest, context: Context
+    ) -> admin_pb2.RemoveNodeResponse:
+        """Cluster mode answers this itself (`fila.cluster.edge`); a single node has no
+        other node to remove."""
+        raise Unimplemented(
+            "RemoveNode is a cluster call (SPEC 9): this broker runs as a single node"
+        )
+
     def generic_handler(self) -> grpc.GenericRpcHandler[Any, Any]:
         a = admin_pb2
         table: dict[str, tuple[Any, Any]] = {
@@ -287,6 +296,7 @@ class FilaAdmin:
             "ClusterStatus": (a.ClusterStatusRequest, self.cluster_status),
             "GetQueue": (a.GetQueueRequest, self.get_queue),
             "UpdateQueue": (a.UpdateQueueRequest, self.update_queue),
+            "RemoveNode": (a.RemoveNodeRequest, self.remove_node),
         }
         handlers = {name: rpc.unary(name, cls, fn) for name, (cls, fn) in table.items()}
         return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

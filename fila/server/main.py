@@ -230,13 +230,18 @@ def _recover(
 ) -> tuple[ClusterNode | None, Keyring]:
     """Rebuilds the broker's state from storage, then the node (cluster mode) and keys."""
     try:
-        broker.recover()
         if not config.cluster.enabled:
+            broker.recover()
             return None, load_keyring(storage, committer, config.auth)
         # Imported here: a single-node broker never loads the etcd client and the
         # cluster modules, a quarter of its startup.
+        from fila.cluster.layout import placed_name
         from fila.cluster.node import ClusterNode
+        from fila.cluster.replication.store import replicas_on_disk
 
+        # A replicated queue's replica is served only once this node leads it.
+        replicas = replicas_on_disk(storage)
+        broker.recover(held=lambda name: placed_name(name) in replicas)
         cluster = ClusterNode(config, broker, storage, committer)
         return cluster, cluster.keyring
     except CorruptionError as exc:
@@ -287,6 +292,8 @@ def _grpc_server(
             admin.FilaAdmin(broker, keyring).generic_handler(),
         )
     )
+    if cluster is not None:
+        server.add_generic_rpc_handlers((cluster.replication_handler(),))
     health_servicer = health_aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -35,6 +35,7 @@ from rocksdict import (
     Env,
     Options,
     Rdict,
+    RdictIter,
     ReadOptions,
     WriteBatch,
     WriteOptions,
@@ -101,7 +102,21 @@ class Storage(Protocol):
         """Makes every write so far durable. May run on another thread."""
         ...
 
+    def view(self) -> StorageView:
+        """The store as it is now, to read while writes go on (cluster replication
+        sends a queue's state as of one moment)."""
+        ...
+
     def close(self) -> None: ...
+
+
+class StorageView(Protocol):
+    """A consistent read of the store as it was when the view was taken; its scans
+    run one after another (each one ends before the next begins)."""
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        """As `Storage.scan`, as of the view's moment."""
+        ...
 
 
 # RocksDB's own messages name the file; keep them, they tell the operator where to look.
@@ -201,6 +216,11 @@ class RocksStorage:
         except Exception as exc:  # rocksdict raises plain Exception on I/O errors
             raise StorageError(f"WAL sync failed: {exc}") from None
 
+    def view(self) -> StorageView:
+        """One RocksDB iterator made now: it reads the state of its creation, whatever
+        is written later (rocksdict's `Snapshot` iterates the live database instead)."""
+        return _RocksView(self._db.iter(self._read_options))
+
     def property_int(self, name: str) -> int | None:
         value = self._db.property_int_value(name)
         return None if value is None else int(value)
@@ -212,6 +232,28 @@ class RocksStorage:
             raise StorageError(f"closing the database: {exc}") from None
         finally:
             self._reaper.stop()
+
+
+class _RocksView:
+    __slots__ = ("_it",)
+
+    def __init__(self, it: RdictIter) -> None:
+        self._it = it
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        end = prefix_end(prefix)
+        it = self._it
+        it.seek(start if start is not None and start > prefix else prefix)
+        while it.valid():
+            key = cast(bytes, it.key())
+            if key >= end:
+                return
+            yield key, cast(bytes, it.value())
+            it.next()
+        try:
+            it.status()
+        except Exception as exc:  # the iterator stopped on an error, not at the end
+            raise CorruptionError(f"scanning {prefix!r} records: {exc}") from None
 
 
 def rocks_options(direct_io: bool = False, *, create: bool = True) -> Options:
@@ -393,11 +435,29 @@ class MemoryStorage:
     def sync(self) -> None:
         self.sync_count += 1
 
+    def view(self) -> StorageView:
+        return _MemoryView(dict(self._data))
+
     def close(self) -> None:
         pass
 
     def __len__(self) -> int:
         return len(self._data)
+
+
+class _MemoryView:
+    __slots__ = ("_data", "_keys")
+
+    def __init__(self, data: dict[bytes, bytes]) -> None:
+        self._data = data
+        self._keys = sorted(data)
+
+    def scan(self, prefix: bytes, start: bytes | None = None) -> Iterator[tuple[bytes, bytes]]:
+        keys = self._keys
+        end = prefix_end(prefix)
+        i = bisect.bisect_left(keys, start if start is not None and start > prefix else prefix)
+        for key in keys[i : bisect.bisect_left(keys, end)]:
+            yield key, self._data[key]
 
 
 __all__ = [
@@ -408,4 +468,5 @@ __all__ = [
     "RocksStorage",
     "Storage",
     "StorageError",
+    "StorageView",
 ]

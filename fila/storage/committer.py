@@ -27,18 +27,26 @@ it: see fila.storage.thread_priority. (Syncing a lone small batch on the loop
 itself when it is idle, sparing the two wake-ups of the hand-off, was measured and
 made one-in-flight round trips slower on a busy host: docs/benchmarks.md.)
 
-The path of a write, in order (the hooks a replicating committer would add sit at
-the marked points):
+The path of a write, in order:
 
 1. `put`/`delete` add to the open `Batch` (one per loop turn) and `flushed()` hands
-   out the future shared by everything in it; [a write names its queue here];
-2. `_write_batch` (end of the turn) appends the batch to the WAL, unsynced, and
-   queues its waiters (`_Waiters`) as unsynced;
+   out the future shared by everything in it; a write names the queue it belongs to,
+   if any (a message, its lease or delay, a queue record);
+2. `_write_batch` (end of the turn) hands the batch and those names to the batch hook,
+   if one is set, which may add to it and return a `Gate`; then appends the batch to
+   the WAL, unsynced, and queues its waiters (`_Waiters`) as unsynced;
 3. `_start_sync` hands everything unsynced to the fsync thread (one sync at a time;
    what is written meanwhile waits for the next);
 4. `_sync_done` on the loop resolves every waiter the sync covered, oldest first
-   (`_Waiters.succeed`: after-commit callbacks, then the future);
-   [a gate on the future, e.g. a replica's acknowledgement, goes here].
+   (`_Waiters.succeed`: after-commit callbacks, then the future). With a gate, the
+   future waits for the gate's answer too, and the after-commit callbacks for its
+   `replicated`.
+
+The hook and the gate are cluster replication's (`fila.cluster.replication.gate`):
+the leader of a replicated queue hands the queue's part of each batch to its
+followers, and its writers are answered once the in-sync ones hold it. Without a
+hook (a single node, or no replicated queue) nothing of this runs. `replicate` is the
+follower's side: another node's writes, applied in the same group commit.
 """
 
 from __future__ import annotations
@@ -48,7 +56,8 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Protocol
 
 from fila.config import PersistMode
 from fila.storage.backend import Batch, Storage, StorageError
@@ -57,6 +66,28 @@ from fila.storage.thread_priority import raise_current_thread
 from fila.telemetry.histogram import FSYNC_BOUNDS_S, FixedHistogram
 
 log = logging.getLogger("fila.storage")
+
+
+class Gate(Protocol):
+    """What a batch's writers wait on besides its fsync (see the module docstring)."""
+
+    def synced(self) -> None:
+        """The batch is durable here."""
+        ...
+
+    def when_answered(self, callback: Callable[[Exception | None], None]) -> None:
+        """`callback(None)` once the writers may be answered, or with why not."""
+        ...
+
+    def when_replicated(self, callback: Callable[[], None]) -> None:
+        """`callback()` once what the batch made ready may be served (never, if it
+        never may)."""
+        ...
+
+
+# (the batch about to be written, the queue each of its operations belongs to) ->
+# a gate, or None when nothing in it waits on anything but the fsync
+BatchHook = Callable[[Batch, list["str | None"]], "Gate | None"]
 
 
 class Committer:
@@ -79,9 +110,12 @@ class Committer:
         self._fsync_priority_boost = fsync_priority_boost
         self._on_failure = on_failure
         self._batch = Batch()
+        self._tags: list[str | None] = []  # the queue of each operation in `_batch`
+        self._hook: BatchHook | None = None
         self._ops = 0
         self._future: asyncio.Future[None] | None = None
         self._after: list[Callable[[], None]] = []
+        self._durable: list[Callable[[], None]] = []
         self._scheduled = False
         self._failed: StorageError | None = None
         # Written to the WAL but not yet fsynced, oldest first; and whether a sync runs.
@@ -97,15 +131,36 @@ class Committer:
         # fsync runs (the fsync thread; the loop at recovery and shutdown).
         self.fsync_seconds = FixedHistogram(FSYNC_BOUNDS_S)
 
-    def put(self, key: bytes, value: bytes) -> None:
+    def put(self, key: bytes, value: bytes, queue: str | None = None) -> None:
+        """Writes `key` with the next batch; `queue`: the queue the record belongs to
+        (what replication goes by), None for a node's own records."""
         self._batch.put(key, value)
+        self._tags.append(queue)
         self.recent.wrote(key, value)
         self._touch()
 
-    def delete(self, key: bytes) -> None:
+    def delete(self, key: bytes, queue: str | None = None) -> None:
         self._batch.delete(key)
+        self._tags.append(queue)
         self.recent.deleted(key)
         self._touch()
+
+    def replicate(self, ops: Iterable[tuple[bytes, bytes | None]]) -> None:
+        """Writes another node's operations (a replica's) with the next batch: they
+        belong to no queue this node serves, and none is kept for delivery."""
+        batch, tags, recent = self._batch, self._tags, self.recent
+        for key, value in ops:
+            if value is None:
+                batch.delete(key)
+            else:
+                batch.put(key, value)
+            tags.append(None)
+            recent.deleted(key)  # a record written here before is no longer current
+            self._touch()
+
+    def set_hook(self, hook: BatchHook | None) -> None:
+        """The batch hook (see the module docstring); set before anything is written."""
+        self._hook = hook
 
     def flushed(self) -> asyncio.Future[None]:
         """A future that resolves once everything written so far is committed."""
@@ -121,6 +176,13 @@ class Committer:
     def after_commit(self, callback: Callable[[], None]) -> None:
         """Runs `callback` on the event loop once the open batch is committed."""
         self._after.append(callback)
+        self._schedule()
+
+    def when_durable(self, callback: Callable[[], None]) -> None:
+        """Runs `callback` on the event loop once the open batch is durable here (its
+        fsync), whatever else its writers wait for: a replica acknowledges its
+        leader's batch then, not once this node's own writes are replicated."""
+        self._durable.append(callback)
         self._schedule()
 
     def write_now(self) -> None:
@@ -157,13 +219,18 @@ class Committer:
     def _write_batch(self, start_sync: bool = True) -> None:
         """Appends the open batch to the WAL (no fsync, a few microseconds) and starts a sync."""
         self._scheduled = False
-        batch, ops = self._batch, self._ops
+        batch, ops, tags = self._batch, self._ops, self._tags
         waiters = _Waiters(self._future, self._after)
+        waiters.durable = self._durable
         self._batch = Batch()
+        self._tags = []
         self._ops = 0
         self._future = None
         self._after = []
+        self._durable = []
         if self._failed is None and ops:
+            if self._hook is not None:
+                waiters.gate = self._hook(batch, tags)
             try:
                 self._storage.write(batch)
             except StorageError as exc:
@@ -268,18 +335,37 @@ _SyncRequest = tuple[asyncio.AbstractEventLoop, list["_Waiters"]]
 
 
 class _Waiters:
-    """Everything waiting on one batch: the shared future and after-commit callbacks."""
+    """Everything waiting on one batch: the shared future and after-commit callbacks,
+    and the batch's gate (see the module docstring), if it has one."""
 
-    __slots__ = ("after", "future")
+    __slots__ = ("after", "durable", "future", "gate")
 
     def __init__(self, future: asyncio.Future[None] | None, after: list[Callable[[], None]]):
         self.future = future
         self.after = after
+        self.durable: list[Callable[[], None]] = []
+        self.gate: Gate | None = None
 
     def __bool__(self) -> bool:
-        return self.future is not None or bool(self.after)
+        return (
+            self.future is not None
+            or bool(self.after)
+            or bool(self.durable)
+            or self.gate is not None
+        )
 
     def succeed(self) -> None:
+        for callback in self.durable:
+            callback()
+        gate = self.gate
+        if gate is not None:
+            gate.synced()
+            after, future = self.after, self.future
+            if after:
+                gate.when_replicated(lambda: _run(after))
+            if future is not None:
+                gate.when_answered(lambda error: _settle(future, error))
+            return
         for callback in self.after:
             callback()
         if self.future is not None and not self.future.done():
@@ -289,3 +375,18 @@ class _Waiters:
         if self.future is not None and not self.future.done():
             self.future.set_exception(error)
             self.future.exception()  # mark retrieved: every waiter reports it itself
+
+
+def _run(callbacks: list[Callable[[], None]]) -> None:
+    for callback in callbacks:
+        callback()
+
+
+def _settle(future: asyncio.Future[None], error: Exception | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)
+        future.exception()  # mark retrieved: every waiter reports it itself

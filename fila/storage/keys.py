@@ -21,6 +21,9 @@ fairness key.
                              see fila.cluster.identity): `node_id` and `lease`, decimal
     X<original key>       -> a record that did not decode, set aside as it was stored
                              (see fila.core.quarantine); nothing reads it but an operator
+    R<queue name utf-8>   -> this node's replica of a replicated queue (cluster mode
+                             only): its position JSON, written with each batch of the
+                             queue (see fila.cluster.replication.position)
 
 Messages are keyed by id alone, not by queue, so dead-lettering and redrive
 rewrite one value in place instead of moving it between keys.
@@ -56,6 +59,7 @@ API_KEY: Final = b"k"
 ACL: Final = b"a"
 NODE: Final = b"N"
 QUARANTINE: Final = b"X"
+REPLICA: Final = b"R"
 
 # The tags of an older layout, each with the tag its records now live under.
 LEGACY_TAGS: Final = {b"q": QUEUE, b"n": NODE}
@@ -66,6 +70,14 @@ _ONE_U64: Final = struct.Struct(">Q")
 
 def queue_key(name: str) -> bytes:
     return QUEUE + name.encode()
+
+
+def replica_key(queue: str) -> bytes:
+    return REPLICA + queue.encode()
+
+
+def replica_name_from_key(key: bytes) -> str:
+    return key[1:].decode()
 
 
 def queue_name_from_key(key: bytes) -> str:

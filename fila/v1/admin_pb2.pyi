@@ -200,11 +200,20 @@ class QueueInfo(_message.Message):
     IN_FLIGHT_FIELD_NUMBER: _builtins.int
     ACTIVE_CONSUMERS_FIELD_NUMBER: _builtins.int
     LEADER_NODE_ID_FIELD_NUMBER: _builtins.int
+    REPLICATION_COUNT_FIELD_NUMBER: _builtins.int
+    REPLICA_NODE_IDS_FIELD_NUMBER: _builtins.int
+    IN_SYNC_NODE_IDS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     depth: _builtins.int
     in_flight: _builtins.int
     active_consumers: _builtins.int
     leader_node_id: _builtins.int
+    replication_count: _builtins.int
+    """Replication (SPEC 9), as in GetStatsResponse."""
+    @_builtins.property
+    def replica_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
+    @_builtins.property
+    def in_sync_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -213,10 +222,13 @@ class QueueInfo(_message.Message):
         in_flight: _builtins.int = ...,
         active_consumers: _builtins.int = ...,
         leader_node_id: _builtins.int = ...,
+        replication_count: _builtins.int = ...,
+        replica_node_ids: _abc.Iterable[_builtins.int] | None = ...,
+        in_sync_node_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_consumers", b"active_consumers", "depth", b"depth", "in_flight", b"in_flight", "leader_node_id", b"leader_node_id", "name", b"name"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_consumers", b"active_consumers", "depth", b"depth", "in_flight", b"in_flight", "in_sync_node_ids", b"in_sync_node_ids", "leader_node_id", b"leader_node_id", "name", b"name", "replica_node_ids", b"replica_node_ids", "replication_count", b"replication_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -264,6 +276,8 @@ class GetStatsResponse(_message.Message):
     HOOK_ERRORS_TOTAL_FIELD_NUMBER: _builtins.int
     LAST_HOOK_ERROR_FIELD_NUMBER: _builtins.int
     LAST_HOOK_ERROR_AT_FIELD_NUMBER: _builtins.int
+    REPLICA_NODE_IDS_FIELD_NUMBER: _builtins.int
+    IN_SYNC_NODE_IDS_FIELD_NUMBER: _builtins.int
     depth: _builtins.int
     in_flight: _builtins.int
     active_fairness_keys: _builtins.int
@@ -288,6 +302,15 @@ class GetStatsResponse(_message.Message):
     def per_throttle_stats(self) -> _containers.RepeatedCompositeFieldContainer[Global___PerThrottleKeyStats]: ...
     @_builtins.property
     def last_hook_error_at(self) -> _timestamp_pb2.Timestamp: ...
+    @_builtins.property
+    def replica_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """Replication (SPEC 9): the nodes holding the queue (leader first), and those in
+        its in-sync set (`replication_count` of them, leader included). Empty when the
+        queue is not replicated (`replication_count` is then 1 in cluster mode).
+        """
+
+    @_builtins.property
+    def in_sync_node_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]: ...
     def __init__(
         self,
         *,
@@ -310,10 +333,12 @@ class GetStatsResponse(_message.Message):
         hook_errors_total: _builtins.int = ...,
         last_hook_error: _builtins.str = ...,
         last_hook_error_at: _timestamp_pb2.Timestamp | None = ...,
+        replica_node_ids: _abc.Iterable[_builtins.int] | None = ...,
+        in_sync_node_ids: _abc.Iterable[_builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["last_hook_error_at", b"last_hook_error_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_total", b"acked_total", "active_consumers", b"active_consumers", "active_fairness_keys", b"active_fairness_keys", "dead_lettered_total", b"dead_lettered_total", "delayed", b"delayed", "delivered_total", b"delivered_total", "depth", b"depth", "enqueued_total", b"enqueued_total", "expired_total", b"expired_total", "hook_errors_total", b"hook_errors_total", "in_flight", b"in_flight", "last_hook_error", b"last_hook_error", "last_hook_error_at", b"last_hook_error_at", "leader_node_id", b"leader_node_id", "nacked_total", b"nacked_total", "per_key_stats", b"per_key_stats", "per_throttle_stats", b"per_throttle_stats", "quantum", b"quantum", "replication_count", b"replication_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["acked_total", b"acked_total", "active_consumers", b"active_consumers", "active_fairness_keys", b"active_fairness_keys", "dead_lettered_total", b"dead_lettered_total", "delayed", b"delayed", "delivered_total", b"delivered_total", "depth", b"depth", "enqueued_total", b"enqueued_total", "expired_total", b"expired_total", "hook_errors_total", b"hook_errors_total", "in_flight", b"in_flight", "in_sync_node_ids", b"in_sync_node_ids", "last_hook_error", b"last_hook_error", "last_hook_error_at", b"last_hook_error_at", "leader_node_id", b"leader_node_id", "nacked_total", b"nacked_total", "per_key_stats", b"per_key_stats", "per_throttle_stats", b"per_throttle_stats", "quantum", b"quantum", "replica_node_ids", b"replica_node_ids", "replication_count", b"replication_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -968,12 +993,17 @@ class ClusterNodeStatus(_message.Message):
     ADVERTISE_ADDR_FIELD_NUMBER: _builtins.int
     UP_FIELD_NUMBER: _builtins.int
     QUEUE_COUNT_FIELD_NUMBER: _builtins.int
+    FOLLOWER_COUNT_FIELD_NUMBER: _builtins.int
+    IN_SYNC_COUNT_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
     advertise_addr: _builtins.str
     """Empty for a node that is down and was not seen up by the answering node."""
     up: _builtins.bool
     queue_count: _builtins.int
-    """Queues placed on the node (each with its dead-letter queue)."""
+    """Queues placed on the node (each with its dead-letter queue): those it leads."""
+    follower_count: _builtins.int
+    """Replicated queues the node follows, and how many of those it is in sync for."""
+    in_sync_count: _builtins.int
     def __init__(
         self,
         *,
@@ -981,10 +1011,12 @@ class ClusterNodeStatus(_message.Message):
         advertise_addr: _builtins.str = ...,
         up: _builtins.bool = ...,
         queue_count: _builtins.int = ...,
+        follower_count: _builtins.int = ...,
+        in_sync_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_addr", b"advertise_addr", "node_id", b"node_id", "queue_count", b"queue_count", "up", b"up"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["advertise_addr", b"advertise_addr", "follower_count", b"follower_count", "in_sync_count", b"in_sync_count", "node_id", b"node_id", "queue_count", b"queue_count", "up", b"up"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1123,15 +1155,21 @@ class RemoveNodeRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     NODE_ID_FIELD_NUMBER: _builtins.int
+    DISCARD_LOST_QUEUES_FIELD_NUMBER: _builtins.int
     node_id: _builtins.int
+    discard_lost_queues: _builtins.bool
+    """Also release the queues whose only in-sync copy was on the node (they are lost);
+    without it such queues make the call fail, naming them.
+    """
     def __init__(
         self,
         *,
         node_id: _builtins.int = ...,
+        discard_lost_queues: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["node_id", b"node_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discard_lost_queues", b"discard_lost_queues", "node_id", b"node_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1141,12 +1179,27 @@ Global___RemoveNodeRequest: _TypeAlias = RemoveNodeRequest  # noqa: Y015
 class RemoveNodeResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    MOVED_FIELD_NUMBER: _builtins.int
+    DISCARDED_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def moved(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Replicated queues that had a replica on the node, and the node each got instead
+        ("queue=node"; no node when no live node was free).
+        """
+
+    @_builtins.property
+    def discarded(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Queues released because their only in-sync copy was on the node."""
+
     def __init__(
         self,
+        *,
+        moved: _abc.Iterable[_builtins.str] | None = ...,
+        discarded: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["discarded", b"discarded", "moved", b"moved"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

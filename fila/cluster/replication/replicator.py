@@ -190,6 +190,13 @@ class Replicator:
             for group in sorted(set(self._records) | set(self._leading)):
                 self._evaluate(group)
 
+    def connection_lost(self, node_id: int) -> None:
+        """The stream to or from `node_id` ended: the sessions with it as leader start
+        over at the next tick (its followers' sessions end with their own streams)."""
+        for following in self._following.values():
+            if following.leader == node_id:
+                following.rejected = True
+
     def decided(self, group: str, outcome: Outcome) -> None:
         """The answer to a proposal (its record has been passed to `record_changed`)."""
         if self._proposals.get(group) != outcome.token:
@@ -826,7 +833,10 @@ class Replicator:
         stuck = (
             following.tail > position.seq and now - following.progress_ms > settings.resubscribe_ms
         )
-        if following.rejected or now - silent_since > settings.resubscribe_ms or stuck:
+        # A session refused, or whose stream ended, starts over, at most once a heartbeat
+        # (its leader may be down for a while: no tight loop of attempts).
+        rejected = following.rejected and now - following.acked_ms >= settings.heartbeat_ms
+        if rejected or now - silent_since > settings.resubscribe_ms or stuck:
             self._resubscribe(group)
             return
         if following.heard_ms >= 0 and now - following.acked_ms >= settings.heartbeat_ms:
