@@ -141,10 +141,7 @@ def test_an_update_racing_with_enqueues_applies_to_what_comes_after_its_answer(
 
 def test_peek_states_counts_and_the_cli_views(server: ServerProcess, client: Client) -> None:
     name = unique("states")
-    failing = (
-        'function on_enqueue(m) if m.headers.bad then error("bad tenant") end '
-        "return {} end"
-    )
+    failing = 'function on_enqueue(m) if m.headers.bad then error("bad tenant") end return {} end'
     client.create_queue(name, on_enqueue=failing)
     leased_id = client.enqueue(name, "leased")
     ready_id = client.enqueue(name, "ready", headers={"bad": "1"})  # a hook error, then default

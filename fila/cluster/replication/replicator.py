@@ -83,6 +83,7 @@ log = logging.getLogger("fila.cluster.replication")
 
 # A proposal that failed (or that etcd did not answer) is made again no sooner than this.
 RETRY_MS: Final = 200
+LOG_BYTES: Final = 64 * 1024 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,7 +91,7 @@ class Settings:
     lag_ms: int  # a member holding back a batch longer than this leaves the ISR
     heartbeat_ms: int = 500  # a follower acknowledges at least this often
     resubscribe_ms: int = 2000  # a follower that hears nothing useful this long starts over
-    log_bytes: int = 64 * 1024 * 1024  # each queue's in-memory log
+    log_bytes: int = LOG_BYTES  # each queue's in-memory log
     window: int = 512  # batches sent to a follower beyond what it acknowledged
     chunk_window: int = 8  # snapshot chunks sent beyond what the follower received
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 from collections.abc import Callable
 from typing import Final
@@ -33,7 +34,7 @@ from fila.cluster.replication.coordinator import EtcdCoordinator
 from fila.cluster.replication.gate import ReplicationHook
 from fila.cluster.replication.host import BrokerHost
 from fila.cluster.replication.removal import Removal, remove_node
-from fila.cluster.replication.replicator import Replicator, Settings
+from fila.cluster.replication.replicator import LOG_BYTES, Replicator, Settings
 from fila.cluster.replication.store import ReplicaStore
 from fila.cluster.replication.transport import GrpcTransport
 from fila.core.broker import Broker
@@ -44,6 +45,9 @@ from fila.storage.committer import Committer
 log = logging.getLogger("fila.cluster.replication")
 
 TICK_S: Final = 0.1
+# Test seam (tests only): each queue's in-memory log holds this many bytes at most, so
+# that a test can make a follower need a snapshot without writing 64 MiB first.
+LOG_BYTES_ENV: Final = "FILA_REPLICATION_LOG_BYTES"
 
 
 class _LeaseFence:
@@ -85,9 +89,10 @@ class Replication:
         self.lag_ms = lag_ms
         self.coordinator = EtcdCoordinator(etcd, layout, mirror)
         self.transport = GrpcTransport(node_id, peers, nodes, metadata)
+        log_bytes = int(os.environ.get(LOG_BYTES_ENV) or 0) or LOG_BYTES
         self.replicator = Replicator(
             node_id,
-            Settings(lag_ms=lag_ms),
+            Settings(lag_ms=lag_ms, log_bytes=log_bytes),
             broker.clock,
             _LeaseFence(lease),
             self.coordinator,
