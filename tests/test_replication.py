@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import threading
 import time
@@ -29,9 +30,18 @@ from pathlib import Path
 import grpc
 import pytest
 from support import wait_until
-from support.cluster import LEASE_TTL_MS, Cluster
-from support.replication import leader, queue_info, replicated_cluster, stored, wait_in_sync
+from support.cli import fails, ok, ok_json
+from support.cluster import LEASE_TTL_MS, Cluster, Netns, require_netns
+from support.replication import (
+    leader,
+    queue_info,
+    replicated,
+    replicated_cluster,
+    stored,
+    wait_in_sync,
+)
 
+from fila.testing.etcd import EtcdCluster
 from fila.testing.soak import Ledger, Targets, consume, produce
 from fila.v1 import admin_pb2, service_pb2
 
@@ -251,3 +261,397 @@ def test_a_leader_paused_for_twice_its_lease_acknowledges_nothing_after_the_paus
         print(f"paused leader: {len(answered)} answered, {len(late)} through it after it resumed")
         wait_in_sync(made, "paused", now_leading, {1, 2, 3}, 20)
         _same_on_every_replica(made, "paused")
+
+
+def test_a_follower_cut_off_leaves_the_isr_before_the_leader_answers_without_it_and_rejoins(
+    tmp_path: Path,
+) -> None:
+    """Node 3 runs in a network namespace of its own, with one link to etcd and one to
+    the other nodes. Cutting the second leaves it alive in etcd but deaf to its leader:
+    writes wait for it until the leader has taken it out of the ISR (about the lease
+    TTL), then go on without it; once the link returns it catches up and is in sync."""
+    require_netns()
+    nets = Netns()
+    made: Cluster | None = None
+    try:
+        etcd_ns = nets.namespace("e")
+        follower_ns = nets.namespace("f")
+        _, etcd_host, _ = nets.link("e", None, etcd_ns)  # nodes 1, 2 <-> etcd
+        # nodes 1, 2 <-> node 3: all three listen on this link's addresses
+        peers_host, follower_host, cut_iface = nets.link("c", None, follower_ns)
+        etcd_side, _, _ = nets.link("x", etcd_ns, follower_ns)  # node 3 <-> etcd
+        etcd = EtcdCluster(
+            tmp_path / "etcd",
+            host=etcd_host,
+            extra_client_hosts=(etcd_side,),
+            wrapper=nets.wrapper(etcd_ns),
+        ).start()
+        made = Cluster(tmp_path, etcd)
+        made.add(1, host=peers_host, extra=replicated(3))
+        made.add(2, host=peers_host, extra=replicated(3))
+        made.add(
+            3,
+            host=follower_host,
+            wrapper=nets.wrapper(follower_ns),
+            endpoints=etcd.endpoints_on(etcd_side),
+            extra=replicated(3),
+        )
+        made.fila(1).create_queue("cut")
+        assert leader(made, "cut", 1) != 3
+        wait_in_sync(made, "cut", 1, {1, 2, 3}, 10)
+        answers: list[tuple[float, float]] = []  # (sent, answered)
+        isr_seen: list[tuple[float, frozenset[int]]] = []
+        stop = threading.Event()
+
+        client = made.fila(1)
+
+        def producer() -> None:
+            while not stop.is_set():
+                sent = time.monotonic()
+                try:
+                    client.svc.Enqueue(service_pb2.EnqueueRequest(queue="cut"), timeout=10)
+                except grpc.RpcError:
+                    continue
+                answers.append((sent, time.monotonic()))
+
+        def watcher() -> None:  # GetStats: answered by the leader (ListQueues asks node 3)
+            while not stop.is_set():
+                try:
+                    stats = client.stats("cut")
+                except grpc.RpcError:
+                    continue
+                isr_seen.append((time.monotonic(), frozenset(stats.in_sync_node_ids)))
+                time.sleep(0.02)  # paces the polling; nothing waits on it
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (producer, watcher)]
+        for thread in threads:
+            thread.start()
+        wait_until(lambda: len(answers) > 30, 20, what="answers before the cut")
+        cut_at = time.monotonic()
+        nets.set_link(follower_ns, cut_iface, up=False)
+        wait_until(
+            lambda: any(t > cut_at and 3 not in isr for t, isr in isr_seen),
+            TTL_S + 5,
+            what="node 3 out of the ISR",
+        )
+        out_at = min(t for t, isr in isr_seen if t > cut_at and 3 not in isr)
+        wait_until(lambda: any(s > out_at for s, _ in answers), 10, what="answers without it")
+        after_cut = [answered for sent, answered in answers if sent > cut_at + 0.05]
+        assert after_cut and min(after_cut) >= out_at - 0.1, (
+            f"answered without node 3 {out_at - min(after_cut):.2f}s before it left the ISR"
+        )
+        assert out_at - cut_at >= TTL_S * 0.8, "node 3 left the ISR before it lagged"
+        assert made.node(3).running  # alive all along, in etcd too
+
+        nets.set_link(follower_ns, cut_iface, up=True)
+        wait_in_sync(made, "cut", 1, {1, 2, 3}, 20)
+        stop.set()
+        for thread in threads:
+            thread.join(15)
+        print(
+            f"follower cut: left the ISR {out_at - cut_at:.2f}s after the cut, writes "
+            f"answered again {min(after_cut) - cut_at:.2f}s after it"
+        )
+        _same_on_every_replica(made, "cut")
+    finally:
+        if made is not None:
+            made.close()
+        nets.close()
+
+
+def test_a_follower_whose_disk_was_wiped_catches_up_from_a_snapshot(tmp_path: Path) -> None:
+    """The leaders' logs hold one batch (a test seam), so a follower that lost its disk
+    can only come back from a snapshot of the queue; it may not lead before it has."""
+    env = {"FILA_REPLICATION_LOG_BYTES": "1"}
+    with replicated_cluster(tmp_path, env=env) as made:
+        made.fila(1).create_queue("wiped")
+        first = leader(made, "wiped", 1)
+        victim = next(n for n in (1, 2, 3) if n != first)
+        fila = made.fila(first)
+        sent = [fila.enqueue("wiped", b"%d" % i, headers={"i": str(i)}) for i in range(200)]
+        with fila.consume("wiped") as stream:
+            leased = [m.id for m in stream.take(5)]
+        fila.ack("wiped", leased[0])
+        made.node(victim).stop()
+        sent += [fila.enqueue("wiped", b"more") for _ in range(50)]
+        shutil.rmtree(made.node(victim).data_dir)
+        made.node(victim).start()
+        wait_in_sync(made, "wiped", first, {1, 2, 3}, 30)
+        assert "sending a snapshot" in made.node(first).log_text()
+        assert f"queue=wiped to={victim}" in made.node(first).log_text()
+        _same_on_every_replica(made, "wiped")
+        kept = {k for k in stored(made.node(victim).data_dir, "wiped")[0] if k[:1] == b"m"}
+        assert len(kept) == len(sent) - 1
+
+
+def test_a_leader_cut_from_etcd_and_its_followers_stops_and_comes_back_as_a_follower(
+    tmp_path: Path,
+) -> None:
+    """Node 1 leads from a namespace of its own; nodes 2 and 3 share another; clients
+    reach every node from the root namespace. Cutting node 1's links to etcd and to
+    the other nodes (not to clients) must stop it acknowledging within its lease,
+    while a client trying every node never sees two nodes acknowledge writes to the
+    queue at once; node 2 or 3 takes over; when the links return node 1 comes back
+    as a follower, and no replica keeps a divergent entry."""
+    require_netns()
+    nets = Netns()
+    made: Cluster | None = None
+    try:
+        etcd_ns, leader_ns, others_ns = (nets.namespace(x) for x in ("e", "n", "f"))
+        _, etcd_host, _ = nets.link("e", None, etcd_ns)  # the harness <-> etcd
+        _, leader_host, _ = nets.link("a", None, leader_ns)  # clients <-> node 1
+        _, others_host, _ = nets.link("b", None, others_ns)  # clients <-> nodes 2, 3
+        _, etcd_for_leader, etcd_iface = nets.link("x", leader_ns, etcd_ns)
+        _, etcd_for_others, _ = nets.link("y", others_ns, etcd_ns)
+        leader_end, others_end, peer_iface = nets.link("p", leader_ns, others_ns)
+        nets.route(leader_ns, others_host, others_end)  # node 1 <-> nodes 2, 3 over "p"
+        nets.route(others_ns, leader_host, leader_end)
+        etcd = EtcdCluster(
+            tmp_path / "etcd",
+            host=etcd_host,
+            extra_client_hosts=(etcd_for_leader, etcd_for_others),
+            wrapper=nets.wrapper(etcd_ns),
+        ).start()
+        made = Cluster(tmp_path, etcd)
+        made.add(
+            1,
+            host=leader_host,
+            wrapper=nets.wrapper(leader_ns),
+            endpoints=etcd.endpoints_on(etcd_for_leader),
+            extra=replicated(3),
+        )
+        for node_id in (2, 3):
+            made.add(
+                node_id,
+                host=others_host,
+                wrapper=nets.wrapper(others_ns),
+                endpoints=etcd.endpoints_on(etcd_for_others),
+                extra=replicated(3),
+            )
+        made.fila(1).create_queue("split")
+        assert leader(made, "split", 2) == 1
+        wait_in_sync(made, "split", 2, {1, 2, 3}, 10)
+
+        probes: list[tuple[float, int, str]] = []  # (answered, node asked, message id)
+        stop = threading.Event()
+        clients = {via: made.fila(via) for via in (1, 2, 3)}
+
+        def probe() -> None:
+            while not stop.is_set():
+                for via, client in clients.items():
+                    try:
+                        reply = client.svc.Enqueue(
+                            service_pb2.EnqueueRequest(queue="split", payload=b"p"), timeout=2
+                        )
+                    except grpc.RpcError:
+                        continue
+                    probes.append((time.monotonic(), via, reply.message_id))
+                time.sleep(0.01)  # paces the probe; nothing waits on it
+
+        prober = threading.Thread(target=probe, daemon=True)
+        prober.start()
+        wait_until(lambda: len(probes) > 30, 20, what="probes before the cut")
+        cut_at = time.monotonic()
+        nets.set_link(etcd_ns, etcd_iface, up=False)
+        nets.set_link(others_ns, peer_iface, up=False)
+
+        def taken_over() -> bool:
+            return any(t > cut_at and via != 1 for t, via, _ in probes)
+
+        wait_until(taken_over, TTL_S + 10, what="node 2 or 3 answering after the cut")
+        wait_until(lambda: any(t > cut_at + TTL_S + 1 for t, _, _ in probes), 10, what="probes")
+        by_node_1 = [t for t, via, _ in probes if via == 1 and t > cut_at]
+        by_others = [t for t, via, _ in probes if via != 1 and t > cut_at]
+        if by_node_1:  # node 1 acknowledged only before it was fenced, and before the others
+            assert max(by_node_1) - cut_at <= TTL_S, max(by_node_1) - cut_at
+            assert max(by_node_1) < min(by_others), "two nodes acknowledged at once"
+        new_leader = leader(made, "split", 2)
+        assert new_leader in (2, 3)
+
+        nets.set_link(etcd_ns, etcd_iface, up=True)
+        nets.set_link(others_ns, peer_iface, up=True)
+        wait_in_sync(made, "split", 2, {1, 2, 3}, 30)
+        stop.set()
+        prober.join(10)
+        assert leader(made, "split", 1) == new_leader  # back as a follower
+        answered = {mid for _, _, mid in probes}
+        kept = _stored_ids(made, new_leader, "split")
+        assert answered <= kept, f"{len(answered - kept)} answered enqueues are lost"
+        last_by_node_1 = max(by_node_1, default=cut_at) - cut_at
+        print(
+            f"leader cut off: node 1 acknowledged until {last_by_node_1:.2f}s after the cut, "
+            f"node {new_leader} from {min(by_others) - cut_at:.2f}s"
+        )
+        _same_on_every_replica(made, "split")
+    finally:
+        if made is not None:
+            made.close()
+        nets.close()
+
+
+PUBLISHED_BEFORE = r"""
+import json, sys
+args = json.loads(sys.argv[1])
+import fila
+assert fila.__file__.startswith(args["prefix"]), fila.__file__  # the published package
+client = fila.Client(args["entry"])
+print(json.dumps([client.enqueue("pub", {"i": str(i)}, b"before") for i in range(5)]))
+"""
+
+PUBLISHED_AFTER = r"""
+import json, sys
+args = json.loads(sys.argv[1])
+import fila
+assert fila.__file__.startswith(args["prefix"]), fila.__file__
+entry = fila.Client(args["entry"])
+after = entry.enqueue("pub", None, b"after")          # forwarded to the new leader
+reader = entry if args["leader"] == args["entry"] else fila.Client(args["leader"])
+stream = reader.consume("pub")
+got = [next(stream) for _ in range(6)]
+for message in got:
+    entry.ack("pub", message.id)                       # acked through the entry node
+print(json.dumps({"after": after, "got": [m.id for m in got]}))
+"""
+
+
+def test_the_published_python_client_through_one_node_across_a_failover(tmp_path: Path) -> None:
+    """fila-python 0.2.0, given one node's address (a follower that survives): what it
+    enqueued before the leader's kill -9 is delivered after it, and its enqueues and
+    acks through that node work on (0.2.0 consumes where the queue's leader is: it
+    does not follow the hint, see docs/cluster.md)."""
+    import json
+    import subprocess
+    import sys
+
+    published = _install_published(tmp_path)
+
+    def run(script: str, **args: object) -> object:
+        result = subprocess.run(
+            [sys.executable, "-P", "-c", script, json.dumps({**args, "prefix": str(published)})],
+            env={"PYTHONPATH": str(published), "PATH": "/usr/bin:/bin"},
+            cwd=published,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return json.loads(result.stdout.strip().splitlines()[-1])
+
+    with replicated_cluster(tmp_path) as made:
+        made.fila(1).create_queue("pub")
+        first = leader(made, "pub", 1)
+        entry = next(n for n in (1, 2, 3) if n != first)
+        before = run(PUBLISHED_BEFORE, entry=made.node(entry).addr)
+        assert isinstance(before, list) and len(before) == 5
+        made.node(first).kill()
+        wait_until(
+            lambda: leader(made, "pub", entry) != first, FAILOVER_GOAL_S + 5, what="failover"
+        )
+        now_leading = leader(made, "pub", entry)
+        after = run(
+            PUBLISHED_AFTER,
+            entry=made.node(entry).addr,
+            leader=made.node(now_leading).addr,
+        )
+        assert isinstance(after, dict)
+        assert sorted(after["got"]) == sorted([*before, after["after"]])
+        assert made.fila(entry).stats("pub").depth == 0
+
+
+def _install_published(tmp_path: Path) -> Path:
+    import subprocess
+    import sys
+
+    target = tmp_path / "published-sdk"
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target",
+         str(target), "fila-python==0.2.0"],
+        check=True,
+        timeout=120,
+    )  # fmt: skip
+    return target
+
+
+def test_remove_node_moves_a_gone_nodes_replicas_and_the_cli_shows_where_queues_live(
+    tmp_path: Path,
+) -> None:
+    """Four nodes, replication_factor 3. A follower of a queue dies for good: `fila
+    cluster remove-node` gives its replica to the fourth node, which catches up and is
+    in sync; the CLI shows each queue's leader, replicas and in-sync set throughout. A
+    node that is up is refused, and an unreplicated queue whose only copy was on the
+    removed node is named, and released only when asked."""
+    with replicated_cluster(tmp_path, nodes=3) as made:
+        made.add(4, extra="")  # replication_factor 1 on node 4: its own queue, one copy
+        made.fila(1).create_queue("kept")
+        first = leader(made, "kept", 1)
+        for name in ("b", "c"):  # nodes 1, 2 and 3 lead one queue each
+            made.fila(1).create_queue(name)
+        # Placed on node 4, the one leading none, which creates it unreplicated.
+        made.fila(4).admin.CreateQueue(admin_pb2.CreateQueueRequest(name="alone"), timeout=10)
+        assert leader(made, "alone", 1) == 4
+        sent = [made.fila(1).enqueue("kept", b"%d" % i) for i in range(30)]
+        addr = made.node(1).addr
+        listed = {q["name"]: q for q in ok_json(addr, "queue", "list")}
+        replicas = listed["kept"]["replicas"]
+        assert (listed["kept"]["node"], replicas[0]) == (first, first)
+        assert sorted(listed["kept"]["in_sync"]) == sorted(replicas) and len(replicas) == 3
+        assert "replicas" not in listed["alone"] and listed["alone"]["node"] != first
+        inspected = ok_json(addr, "queue", "inspect", "kept")
+        assert (inspected["node"], inspected["replicas"]) == (first, replicas)
+        assert "in sync" in ok(addr, "queue", "inspect", "kept")
+        status = {n["node_id"]: n for n in ok_json(addr, "cluster", "status")["nodes"]}
+        assert all(status[n]["following"] == 1 for n in replicas[1:])
+
+        assert "node 4 is up" in fails(addr, "cluster", "remove-node", "4")
+        made.node(4).kill()  # gone for good, with "alone", its only copy
+        wait_until(lambda: 4 not in status_up(addr), TTL_S + 5, what="node 4 down")
+        refused = fails(addr, "cluster", "remove-node", "4")
+        assert "only in-sync copy of 1 queue(s): alone" in refused, refused
+        removal = ok_json(addr, "cluster", "remove-node", "4", "--discard-lost-queues")
+        assert removal["discarded"] == ["alone"]
+        assert "alone" not in {q["name"] for q in ok_json(addr, "queue", "list")}
+
+        gone = replicas[-1]  # a follower of "kept"
+        made.node(4).start()  # back, empty of replicas: the spare
+        made.node(gone).kill()
+        wait_until(lambda: gone not in status_up(addr), TTL_S + 5, what=f"node {gone} down")
+        removal = ok_json(addr, "cluster", "remove-node", str(gone))
+        spare = 4
+        assert {"queue": "kept", "node": spare} in removal["moved"]
+        wait_in_sync(made, "kept", 1, {*replicas[:-1], spare}, 30)
+        after = {q["name"]: q for q in ok_json(addr, "queue", "list")}
+        assert sorted(after["kept"]["replicas"]) == sorted([*replicas[:-1], spare])
+        peek = made.fila(first).admin.PeekMessages(
+            admin_pb2.PeekMessagesRequest(queue="kept", limit=100)
+        )
+        assert [m.id for m in peek.messages] == sent
+        for node_id in made.nodes:
+            if node_id == gone:
+                continue
+            made.node(node_id).stop()
+        records = {n: stored(made.node(n).data_dir, "kept")[0] for n in (*replicas[:-1], spare)}
+        assert len({tuple(sorted(r.items())) for r in records.values()}) == 1
+
+
+def status_up(addr: str) -> set[int]:
+    return {n["node_id"] for n in ok_json(addr, "cluster", "status")["nodes"] if n["up"]}
+
+
+def test_a_replicated_queue_deleted_goes_from_every_replica_and_can_be_created_again(
+    tmp_path: Path,
+) -> None:
+    with replicated_cluster(tmp_path) as made:
+        made.fila(1).create_queue("gone")
+        for i in range(10):
+            made.fila(2).enqueue("gone", b"%d" % i)
+        made.fila(3).delete_queue("gone")
+        wait_until(
+            lambda: all(queue_info(made, "gone", n) is None for n in (1, 2, 3)), 10, what="gone"
+        )
+        made.fila(2).create_queue("gone")
+        assert made.fila(1).stats("gone").depth == 0
+        wait_in_sync(made, "gone", 1, {1, 2, 3}, 10)
+        made.fila(1).enqueue("gone", b"new")
+        _same_on_every_replica(made, "gone")
+        records = stored(made.node(1).data_dir, "gone")[0]
+        assert sum(1 for key in records if key[:1] == b"m") == 1

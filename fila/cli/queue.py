@@ -186,25 +186,25 @@ def queue_list(ctx: click.Context, watch: bool, interval: float, iterations: int
     mode, the node each lives on)."""
     client = connect(ctx)
     if not watch:
-        queues, nodes = raw.queues(client)
-        table = queues_table(queues, nodes=nodes) if queues else "No queues."
-        emit(ctx, queues_json(queues, nodes=nodes), table)
+        queues, places = raw.queues(client)
+        table = queues_table(queues, places=places) if queues else "No queues."
+        emit(ctx, queues_json(queues, places=places), table)
         return
     samples: dict[str, Sample] = {}
 
     def frame() -> live.Frame:
-        queues, nodes, rated = _list_with_rates(client, samples)
-        return queues_json(queues, rated, nodes), queues_table(queues, rated, nodes)
+        queues, places, rated = _list_with_rates(client, samples)
+        return queues_json(queues, rated, places), queues_table(queues, rated, places)
 
     live.watch(ctx, frame, interval=interval, iterations=iterations)
 
 
 def _list_with_rates(
     client: Client, samples: dict[str, Sample]
-) -> tuple[list[QueueInfo], dict[str, int], dict[str, Rates]]:
+) -> tuple[list[QueueInfo], dict[str, raw.Place], dict[str, Rates]]:
     """ListQueues, then GetStats per queue for its counters (ListQueues has none);
     `samples` carries each queue's previous sample from one refresh to the next."""
-    queues, nodes = raw.queues(client)
+    queues, places = raw.queues(client)
     rated: dict[str, Rates] = {}
     for q in queues:
         try:
@@ -216,7 +216,7 @@ def _list_with_rates(
         samples[q.name] = current
     for gone in samples.keys() - rated.keys():
         del samples[gone]
-    return queues, nodes, rated
+    return queues, places, rated
 
 
 @queue.command("inspect")
@@ -227,22 +227,22 @@ def queue_inspect(
     ctx: click.Context, name: str, watch: bool, interval: float, iterations: int | None
 ) -> None:
     """Show live scheduling stats and counters for queue NAME (and, in cluster mode,
-    its node)."""
+    its node, and its replicas and in-sync set when it is replicated)."""
     client = connect(ctx)
     if not watch:
-        stats, node = raw.stats(client, name)
-        emit(ctx, stats_json(name, stats, node=node), inspect_view(name, stats, node=node))
+        stats, place = raw.stats(client, name)
+        emit(ctx, stats_json(name, stats, place=place), inspect_view(name, stats, place=place))
         return
     previous: list[Sample] = []
 
     def frame() -> live.Frame:
-        stats, node = raw.stats(client, name)
+        stats, place = raw.stats(client, name)
         current = Sample(time.monotonic(), stats)
         rated = rates(previous[-1] if previous else None, current)
         previous[:] = [current]
         return (
-            stats_json(name, current.stats, rated, node),
-            inspect_view(name, current.stats, rated, node),
+            stats_json(name, current.stats, rated, place),
+            inspect_view(name, current.stats, rated, place),
         )
 
     live.watch(ctx, frame, interval=interval, iterations=iterations)

@@ -9,13 +9,15 @@ place in the CLI that reaches into the client:
   depending on the shape the SDK's own `enqueue` takes for delays;
 - a Consume stream with `prefetch=1` (`fila tail --ack`), so that a tail stopped
   with Ctrl-C holds at most the one message it was printing;
-- cluster mode (SPEC 9): `ClusterStatus`, and each queue's node (`leader_node_id`,
-  which the SDK's records leave out) for `queue list` and `queue inspect`.
+- cluster mode (SPEC 9): `ClusterStatus`, `RemoveNode`, and where each queue lives
+  (its node, and for a replicated queue its replicas and in-sync set, which the
+  SDK's records leave out) for `queue list` and `queue inspect`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -75,18 +77,45 @@ def consume(client: Client, queue: str, prefetch: int) -> Generator[Message, Non
         call.cancel()  # type: ignore[no-untyped-call]  # grpc-stubs leaves it untyped
 
 
-def queues(client: Client) -> tuple[list[QueueInfo], dict[str, int]]:
-    """ListQueues: the queues, and each one's node (0 everywhere on a single node)."""
+@dataclass(frozen=True, slots=True)
+class Place:
+    """Where a queue lives: its node (its leader; 0 on a single node) and, when it is
+    replicated, its replicas (leader first) and in-sync set."""
+
+    node: int = 0
+    replicas: tuple[int, ...] = ()
+    in_sync: tuple[int, ...] = ()
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.replicas) > 1
+
+    @classmethod
+    def of(cls, node: int, replicas: Sequence[int], in_sync: Sequence[int]) -> Place:
+        return cls(int(node), tuple(int(n) for n in replicas), tuple(int(n) for n in in_sync))
+
+
+def queues(client: Client) -> tuple[list[QueueInfo], dict[str, Place]]:
+    """ListQueues: the queues, and where each lives."""
     reply = client._unary(client._admin.ListQueues, admin_pb2.ListQueuesRequest())
-    nodes = {q.name: int(q.leader_node_id) for q in reply.queues}
-    return [QueueInfo.from_proto(q) for q in reply.queues], nodes
+    places = {
+        q.name: Place.of(q.leader_node_id, q.replica_node_ids, q.in_sync_node_ids)
+        for q in reply.queues
+    }
+    return [QueueInfo.from_proto(q) for q in reply.queues], places
 
 
-def stats(client: Client, queue: str) -> tuple[QueueStats, int]:
-    """GetStats: the queue's stats, and its node (0 on a single node)."""
+def stats(client: Client, queue: str) -> tuple[QueueStats, Place]:
+    """GetStats: the queue's stats, and where it lives."""
     reply = client._unary(client._admin.GetStats, admin_pb2.GetStatsRequest(queue=queue))
-    return QueueStats.from_proto(reply), int(reply.leader_node_id)
+    place = Place.of(reply.leader_node_id, reply.replica_node_ids, reply.in_sync_node_ids)
+    return QueueStats.from_proto(reply), place
 
 
 def cluster_status(client: Client) -> admin_pb2.ClusterStatusResponse:
     return client._unary(client._admin.ClusterStatus, admin_pb2.ClusterStatusRequest())
+
+
+def remove_node(client: Client, node_id: int, discard: bool) -> admin_pb2.RemoveNodeResponse:
+    request = admin_pb2.RemoveNodeRequest(node_id=node_id, discard_lost_queues=discard)
+    return client._unary(client._admin.RemoveNode, request)

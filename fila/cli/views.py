@@ -1,8 +1,10 @@
 """How queues and their stats look, once with totals and, in watch mode, with rates.
 
-In cluster mode (SPEC 9) every queue lives on one node: `nodes` maps queue names to
-their node ids, and a `node` column (a `node` key in JSON) appears only when some
-queue has a node, so single-node output is exactly what it always was.
+In cluster mode (SPEC 9) every queue lives on one node, its leader: `places` maps
+queue names to where they live, and a `node` column (a `node` key in JSON) appears
+only when some queue has a node, so single-node output is exactly what it always
+was. Replicated queues add their replicas and in-sync set (`replicas`, `in sync`;
+`replicas` and `in_sync` keys in JSON) the same way.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from rich.table import Table
 from fila.cli.durations import format_ms
 from fila.cli.output import numbers_table
 from fila.cli.rates import COUNTERS, Rates
+from fila.cli.raw import Place
 from fila_sdk import QueueDetails, QueueInfo, QueueStats
 
 
@@ -31,16 +34,22 @@ def percent(value: float | None) -> str:
 def queues_table(
     queues: list[QueueInfo],
     rates: dict[str, Rates] | None = None,
-    nodes: Mapping[str, int] | None = None,
+    places: Mapping[str, Place] | None = None,
 ) -> Table:
     """The `queue list` table; with `rates` (watch mode), enqueue/deliver/ack rates;
-    with `nodes` (cluster mode), each queue's node."""
-    clustered = _clustered(nodes)
+    with `places` (cluster mode), each queue's node, and replicas when replicated."""
+    clustered = _clustered(places)
+    replicated = _replicated(places)
     extra = ("enq/s", "deliv/s", "ack/s") if rates is not None else ()
-    table = numbers_table("name", *(("node",) if clustered else ()), "depth", "in-flight",
-                          "consumers", *extra)  # fmt: skip
+    where = ("node", *(("replicas", "in sync") if replicated else ())) if clustered else ()
+    table = numbers_table("name", *where, "depth", "in-flight", "consumers", *extra)
     for q in queues:
-        row = [q.name, *([str(nodes.get(q.name, "-"))] if nodes is not None and clustered else [])]
+        row = [q.name]
+        if places is not None and clustered:
+            place = places.get(q.name, Place())
+            row.append(str(place.node or "-"))
+            if replicated:
+                row += [_ids(place.replicas), _in_sync(place)]
         row += [str(q.depth), str(q.in_flight), str(q.active_consumers)]
         if rates is not None:
             counters = rates[q.name].counters if q.name in rates else {}
@@ -52,12 +61,12 @@ def queues_table(
 def queues_json(
     queues: list[QueueInfo],
     rates: dict[str, Rates] | None = None,
-    nodes: Mapping[str, int] | None = None,
+    places: Mapping[str, Place] | None = None,
 ) -> list[Any]:
     rows: list[dict[str, Any]] = [asdict(q) for q in queues]
-    if nodes is not None and _clustered(nodes):
+    if places is not None and _clustered(places):
         for row in rows:
-            row["node"] = nodes.get(row["name"], 0)
+            row.update(_place_json(places.get(row["name"], Place())))
     if rates is not None:
         for row in rows:
             found = rates.get(row["name"])
@@ -65,28 +74,56 @@ def queues_json(
     return rows
 
 
-def _clustered(nodes: Mapping[str, int] | None) -> bool:
-    return nodes is not None and any(nodes.values())
+def _clustered(places: Mapping[str, Place] | None) -> bool:
+    return places is not None and any(place.node for place in places.values())
+
+
+def _replicated(places: Mapping[str, Place] | None) -> bool:
+    return places is not None and any(place.replicated for place in places.values())
+
+
+def _ids(nodes: tuple[int, ...]) -> str:
+    return ",".join(str(n) for n in nodes) or "-"
+
+
+def _in_sync(place: Place) -> str:
+    if not place.replicated:
+        return "-"
+    return f"{len(place.in_sync)}/{len(place.replicas)}"
+
+
+def _place_json(place: Place) -> dict[str, Any]:
+    data: dict[str, Any] = {"node": place.node}
+    if place.replicated:
+        data.update(replicas=list(place.replicas), in_sync=list(place.in_sync))
+    return data
 
 
 def stats_json(
-    name: str, stats: QueueStats, rates: Rates | None = None, node: int = 0
+    name: str, stats: QueueStats, rates: Rates | None = None, place: Place | None = None
 ) -> dict[str, Any]:
-    data: dict[str, Any] = {"name": name, **({"node": node} if node else {}), **asdict(stats)}
+    where = _place_json(place) if place is not None and place.node else {}
+    data: dict[str, Any] = {"name": name, **where, **asdict(stats)}
     if rates is not None:
         data["rates"] = {**rates.counters, "per_key_delivered": rates.per_key}
     return data
 
 
 def inspect_view(
-    name: str, stats: QueueStats, rates: Rates | None = None, node: int = 0
+    name: str, stats: QueueStats, rates: Rates | None = None, place: Place | None = None
 ) -> RenderableType:
-    """Summary (with the queue's node in cluster mode), counters (with rates in watch
-    mode), fairness keys and throttle keys."""
+    """Summary (with the queue's node in cluster mode, and its replicas when it is
+    replicated), counters (with rates in watch mode), fairness keys and throttle keys."""
+    where: list[tuple[str, object]] = []
+    if place is not None and place.node:
+        where.append(("node", place.node))
+        if place.replicated:
+            where.append(("replicas", f"{_ids(place.replicas)} (leader first)"))
+            where.append(("in sync", f"{_ids(place.in_sync)} ({_in_sync(place)})"))
     summary = Table.grid(padding=(0, 2))
     for label, value in (
         ("queue", name),
-        *((("node", node),) if node else ()),
+        *where,
         ("depth", f"{stats.depth} (ready {stats.ready}, delayed {stats.delayed})"),
         ("in-flight", f"{stats.in_flight} (leased)"),
         ("consumers", stats.active_consumers),

@@ -269,6 +269,10 @@ class Netns:
             _ip(*prefix, "link", "set", iface, "up")
         return f"{subnet}.1", f"{subnet}.2", b
 
+    def route(self, namespace: str, to: str, via: str) -> None:
+        """In `namespace`, packets for the address `to` go through the neighbour `via`."""
+        _ip("-n", namespace, "route", "add", f"{to}/32", "via", via)
+
     def set_link(self, namespace: str, iface: str, up: bool) -> None:
         _ip("-n", namespace, "link", "set", iface, "up" if up else "down")
 
