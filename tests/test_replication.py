@@ -99,6 +99,7 @@ def test_a_replicated_queue_is_held_by_three_nodes_and_moves_when_its_leader_die
             stats = made.fila(via).stats("orders")  # forwarded to the leader
             assert (stats.leader_node_id, stats.replication_count) == (first, 3)
         sent = [fila.enqueue("orders", b"%d" % i) for i in range(20)]
+        _dashboard_shows_the_leader_and_followers(made, tmp_path, "orders", first)
         with made.fila(first).consume("orders") as stream:
             leased = [m.id for m in stream.take(3)]
         fila.ack("orders", leased[0])
@@ -133,6 +134,36 @@ def test_a_replicated_queue_is_held_by_three_nodes_and_moves_when_its_leader_die
         wait_in_sync(made, "orders", entry, {1, 2, 3}, 20)
         assert leader(made, "orders", first) == now_leading
         _same_on_every_replica(made, "orders")
+
+
+def _dashboard_shows_the_leader_and_followers(
+    made: Cluster, tmp_path: Path, queue: str, first: int
+) -> None:
+    """The web dashboard, given node 1's address: each queue's leader and in-sync count
+    on the overview, its leader and followers (in sync or catching up) on its page."""
+    import urllib.request
+
+    from support.dashboard import DashboardProcess
+
+    dashboard = DashboardProcess(made.node(1).addr, tmp_path / "dashboard.log").start()
+    try:
+
+        def read(path: str) -> str:
+            with urllib.request.urlopen(dashboard.url + path, timeout=10) as reply:
+                return str(reply.read().decode())
+
+        overview = wait_until(
+            lambda: (page := read("/")) and 'class="num in-sync">3/3' in page and page,
+            10,
+            what="the overview with the queue's replicas",
+        )
+        assert f'class="num leader">{first}<' in overview
+        page = read(f"/queues/{queue}")
+        assert f'id="leader">node {first}<' in page
+        for node in {1, 2, 3} - {first}:
+            assert f"node {node} (in sync)" in page
+    finally:
+        dashboard.stop()
 
 
 async def _soak_leader_kills(made: Cluster, cycles: int) -> dict[str, object]:
@@ -655,3 +686,65 @@ def test_a_replicated_queue_deleted_goes_from_every_replica_and_can_be_created_a
         _same_on_every_replica(made, "gone")
         records = stored(made.node(1).data_dir, "gone")[0]
         assert sum(1 for key in records if key[:1] == b"m") == 1
+
+
+def test_the_leader_reports_in_sync_replicas_and_follower_lag_to_prometheus(
+    tmp_path: Path,
+) -> None:
+    """`fila_queue_replicas`, `fila_queue_replicas_in_sync` and `fila_queue_replica_lag`
+    on the leader's /metrics: a paused follower lags, leaves the in-sync set and comes
+    back; the shipped dashboard and alerts use these names as the broker serves them."""
+    import re
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from fila.testing.children import free_port
+
+    ports = {n: free_port() for n in (1, 2, 3)}
+    with replicated_cluster(tmp_path, nodes=0) as made:
+        for node_id, port in ports.items():
+            made.add(
+                node_id,
+                extra=replicated(3, f'[telemetry]\nprometheus_listen = "127.0.0.1:{port}"\n'),
+            )
+        made.fila(1).create_queue("watched")
+        first = leader(made, "watched", 1)
+        follower = next(n for n in (1, 2, 3) if n != first)
+
+        def scrape() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+            url = f"http://127.0.0.1:{ports[first]}/metrics"
+            with urllib.request.urlopen(url, timeout=10) as reply:
+                text = reply.read().decode()
+            return {
+                (s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text)
+                for s in family.samples
+            }
+
+        def gauge(name: str, **labels: str) -> float | None:
+            return scrape().get((name, tuple(sorted({"queue": "watched", **labels}.items()))))
+
+        assert gauge("fila_queue_replicas") == 3
+        assert gauge("fila_queue_replicas_in_sync") == 3
+        assert gauge("fila_queue_replica_lag", node=str(follower)) == 0
+        served = {name for name, _ in scrape()}
+        for shipped in (
+            Path(__file__).parent.parent / "deploy" / "grafana" / "fila-dashboard.json",
+            Path(__file__).parent.parent / "deploy" / "prometheus" / "fila-alerts.yml",
+        ):
+            used = set(re.findall(r"\bfila_queue_replica[a-z_]*", shipped.read_text()))
+            assert used and used <= served, (shipped.name, sorted(used - served))
+
+        os.kill(made.node(follower).pid, signal.SIGSTOP)
+        try:
+            for _ in range(3):
+                made.fila(first).svc.Enqueue(
+                    service_pb2.EnqueueRequest(queue="watched"), timeout=10
+                )
+            assert (gauge("fila_queue_replica_lag", node=str(follower)) or 0) >= 1
+            wait_until(lambda: gauge("fila_queue_replicas_in_sync") == 2, 10, what="2 in sync")
+        finally:
+            os.kill(made.node(follower).pid, signal.SIGCONT)
+        wait_until(lambda: gauge("fila_queue_replicas_in_sync") == 3, 20, what="3 in sync")
+        assert gauge("fila_queue_replica_lag", node=str(follower)) == 0

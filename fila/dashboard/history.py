@@ -92,10 +92,20 @@ class QueueSample:
     hook_errors: int = 0
     last_hook_error: str = ""
     last_hook_error_at_ms: int = 0
+    # Cluster mode: the node leading the queue (0 on a single node) and, when it is
+    # replicated, its replicas (leader first) and in-sync set.
+    leader: int = 0
+    replicas: tuple[int, ...] = ()
+    in_sync: tuple[int, ...] = ()
 
     @property
     def ready(self) -> int:
         return max(0, self.depth - self.delayed)
+
+    @property
+    def followers(self) -> list[tuple[int, bool]]:
+        """A replicated queue's followers, each with whether it is in sync."""
+        return [(node, node in self.in_sync) for node in self.replicas if node != self.leader]
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,9 +183,7 @@ class QueueHistory:
         while self._bare < len(self.samples) and self.samples[self._bare].at < key_horizon:
             old = self.samples[self._bare]
             if old.keys or old.throttles or old.last_hook_error:
-                self.samples[self._bare] = replace(
-                    old, keys=(), throttles=(), last_hook_error=""
-                )
+                self.samples[self._bare] = replace(old, keys=(), throttles=(), last_hook_error="")
             self._bare += 1
 
     @property

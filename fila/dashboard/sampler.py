@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -174,7 +174,14 @@ def _listed_only(info: admin_pb2.QueueInfo, now: float, error: str) -> QueueSamp
         consumers=info.active_consumers,
         counters=None,
         stats_error=error,
+        leader=int(info.leader_node_id),
+        replicas=_ids(info.replica_node_ids),
+        in_sync=_ids(info.in_sync_node_ids),
     )
+
+
+def _ids(nodes: Iterable[int]) -> tuple[int, ...]:
+    return tuple(int(n) for n in nodes)
 
 
 def _from_stats(
@@ -207,4 +214,7 @@ def _from_stats(
         hook_errors=stats.hook_errors_total,
         last_hook_error=stats.last_hook_error,
         last_hook_error_at_ms=stats.last_hook_error_at.ToMilliseconds(),
+        leader=int(info.leader_node_id),
+        replicas=_ids(info.replica_node_ids),
+        in_sync=_ids(info.in_sync_node_ids),
     )

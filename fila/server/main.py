@@ -58,6 +58,7 @@ from fila.telemetry.logs import configure_logging
 if TYPE_CHECKING:
     from fila.cluster.node import ClusterNode
     from fila.telemetry.exporters import Telemetry
+    from fila.telemetry.metrics import ReplicationState
 
 __all__ = ["ExitCode", "StartupError", "main", "serve", "server_options"]
 
@@ -144,7 +145,9 @@ async def serve(config: Config) -> ExitCode:
         if cluster is not None:
             resources.push_async_callback(cluster.close)
             await _join(cluster)
-        telemetry = start_telemetry(config, broker, committer)
+        telemetry = start_telemetry(
+            config, broker, committer, cluster.replication if cluster is not None else None
+        )
         if telemetry is not None:
             resources.callback(telemetry.shutdown)
         stream_readers = StreamReaders()
@@ -340,7 +343,12 @@ async def _cancelled(task: asyncio.Task[None]) -> None:
         await task
 
 
-def start_telemetry(config: Config, broker: Broker, committer: Committer) -> Telemetry | None:
+def start_telemetry(
+    config: Config,
+    broker: Broker,
+    committer: Committer,
+    replication: ReplicationState | None = None,
+) -> Telemetry | None:
     """The exporters `[telemetry]` asks for; with none, None, and OpenTelemetry is not
     even imported."""
     section = config.telemetry
@@ -349,7 +357,9 @@ def start_telemetry(config: Config, broker: Broker, committer: Committer) -> Tel
     from fila.telemetry.exporters import Telemetry, TelemetryStartError
 
     try:
-        telemetry = Telemetry.start(section, broker, committer, config.server.max_queues)
+        telemetry = Telemetry.start(
+            section, broker, committer, config.server.max_queues, replication
+        )
     except TelemetryStartError as exc:
         raise StartupError(str(exc)) from None
     log.info(

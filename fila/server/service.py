@@ -247,9 +247,7 @@ class FilaService:
             consumer.close(_StreamDone("stream closed by the client"))
 
         reader = asyncio.create_task(read_settlements())
-        unsubscribe = access.on_key_lost(
-            lambda reason: broker.detach_consumer(consumer, reason)
-        )
+        unsubscribe = access.on_key_lost(lambda reason: broker.detach_consumer(consumer, reason))
         try:
             await self._deliver(consumer, context)
         except _StreamDone:

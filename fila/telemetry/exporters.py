@@ -46,7 +46,7 @@ from fila.config import TelemetrySection
 from fila.core.throttle import MAX_COUNTED_KEYS
 from fila.telemetry.endpoint import MetricsEndpoint
 from fila.telemetry.loop_lag import LoopLag
-from fila.telemetry.metrics import SCOPE, BrokerMetrics, cardinality_limit
+from fila.telemetry.metrics import SCOPE, BrokerMetrics, ReplicationState, cardinality_limit
 from fila.telemetry.prometheus import PrometheusExposition, TargetInfo
 from fila.telemetry.tracing import TracingInterceptor
 
@@ -142,13 +142,19 @@ class Telemetry:
 
     @classmethod
     def start(
-        cls, section: TelemetrySection, broker: Broker, committer: Committer, max_queues: int
+        cls,
+        section: TelemetrySection,
+        broker: Broker,
+        committer: Committer,
+        max_queues: int,
+        replication: ReplicationState | None = None,
     ) -> Telemetry:
+        """`replication`: cluster replication's gauges, in cluster mode."""
         resource = Resource.create(
             {SERVICE_NAME: section.service_name, SERVICE_VERSION: __version__}
         )
         loop_lag = LoopLag()
-        metrics = BrokerMetrics(broker, committer, loop_lag.seconds)
+        metrics = BrokerMetrics(broker, committer, loop_lag.seconds, replication)
 
         def augment(data: MetricsData) -> MetricsData:
             return metrics.with_histograms(data, resource)
@@ -163,7 +169,9 @@ class Telemetry:
             registry.register(_FrozenObjects())
             registry.register(TargetInfo(resource))
             # Not an OpenTelemetry reader: see fila.telemetry.prometheus for why.
-            exposition = PrometheusExposition(broker, committer, registry, loop_lag.seconds)
+            exposition = PrometheusExposition(
+                broker, committer, registry, loop_lag.seconds, replication
+            )
         tracer_provider = None
         if section.otlp_endpoint:
             endpoint, insecure = otlp_target(section.otlp_endpoint)

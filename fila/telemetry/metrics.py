@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from dataclasses import field as dataclass_field
 from operator import attrgetter
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 from opentelemetry.sdk.metrics.export import (
@@ -121,7 +123,39 @@ QUARANTINED_HELP = (
     "listed by fila-server --repair)"
 )
 
+# Replication (cluster mode), for each replicated queue this node leads.
+REPLICAS = "fila.queue.replicas"
+REPLICAS_HELP = "Nodes holding a replicated queue (its leader included)"
+REPLICAS_IN_SYNC = "fila.queue.replicas.in_sync"
+REPLICAS_IN_SYNC_HELP = (
+    "Replicas in a replicated queue's in-sync set (its leader included): every "
+    "acknowledged write is on each of them; below `fila.queue.replicas`, a follower "
+    "lags or is down"
+)
+REPLICA_LAG = "fila.queue.replica.lag"
+REPLICA_LAG_HELP = (
+    "Write batches a replica of a replicated queue lacks against its leader, by node "
+    "(the follower's acknowledged position)"
+)
+
 SCOPE = "fila"
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaGauge:
+    """One replicated queue led by this node, as its gauges read it."""
+
+    queue: str
+    replicas: int
+    in_sync: int
+    lag: dict[int, int] = dataclass_field(default_factory=dict)  # follower -> batches lacked
+
+
+class ReplicationState(Protocol):
+    """Cluster replication's gauges (`fila.cluster.replication`); read on the exporter's
+    thread, so it hands out copies."""
+
+    def replica_gauges(self) -> list[ReplicaGauge]: ...
 
 
 def scope(version: str) -> InstrumentationScope:
@@ -137,10 +171,17 @@ def cardinality_limit(max_queues: int, max_throttle_keys: int) -> int:
 class BrokerMetrics:
     """The broker's instruments (`register`) and histogram points (`with_histograms`)."""
 
-    def __init__(self, broker: Broker, committer: Committer, loop_lag: FixedHistogram) -> None:
+    def __init__(
+        self,
+        broker: Broker,
+        committer: Committer,
+        loop_lag: FixedHistogram,
+        replication: ReplicationState | None = None,
+    ) -> None:
         self._broker = broker
         self._committer = committer
         self._loop_lag = loop_lag
+        self._replication = replication
         self._started_ns = time.time_ns()
 
     def register(self, meter: Meter) -> None:
@@ -168,6 +209,35 @@ class BrokerMetrics:
         meter.create_observable_gauge(
             QUARANTINED, [self._quarantined], unit="{record}", description=QUARANTINED_HELP
         )
+        if self._replication is not None:
+            meter.create_observable_gauge(
+                REPLICAS, [self._replicas], unit="{replica}", description=REPLICAS_HELP
+            )
+            meter.create_observable_gauge(
+                REPLICAS_IN_SYNC,
+                [self._replicas_in_sync],
+                unit="{replica}",
+                description=REPLICAS_IN_SYNC_HELP,
+            )
+            meter.create_observable_gauge(
+                REPLICA_LAG, [self._replica_lag], unit="{batch}", description=REPLICA_LAG_HELP
+            )
+
+    def _gauges(self) -> list[ReplicaGauge]:
+        return self._replication.replica_gauges() if self._replication is not None else []
+
+    def _replicas(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(g.replicas, {"queue": g.queue}) for g in self._gauges()]
+
+    def _replicas_in_sync(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(g.in_sync, {"queue": g.queue}) for g in self._gauges()]
+
+    def _replica_lag(self, _options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(lag, {"queue": g.queue, "node": str(node)})
+            for g in self._gauges()
+            for node, lag in g.lag.items()
+        ]
 
     def _queues(self) -> list[Queue]:
         return list(self._broker.queues.values())

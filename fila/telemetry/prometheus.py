@@ -50,8 +50,16 @@ from fila.telemetry.metrics import (
     QUARANTINED,
     QUARANTINED_HELP,
     QUEUE_GAUGES,
+    REPLICA_LAG,
+    REPLICA_LAG_HELP,
+    REPLICAS,
+    REPLICAS_HELP,
+    REPLICAS_IN_SYNC,
+    REPLICAS_IN_SYNC_HELP,
     THROTTLE_LIMITED,
     THROTTLE_LIMITED_HELP,
+    ReplicaGauge,
+    ReplicationState,
 )
 
 if TYPE_CHECKING:
@@ -173,11 +181,13 @@ class PrometheusExposition:
         committer: Committer,
         registry: CollectorRegistry,
         loop_lag: FixedHistogram,
+        replication: ReplicationState | None = None,
     ) -> None:
         self._broker = broker
         self._committer = committer
         self._registry = registry
         self._loop_lag = loop_lag
+        self._replication = replication
         self._bounds: dict[tuple[tuple[float, ...], float, str], list[str]] = {}
 
     def render(self, fmt: Format) -> list[bytes]:
@@ -236,6 +246,9 @@ class PrometheusExposition:
         out.family(_prom(QUARANTINED), "gauge", QUARANTINED_HELP)
         out.lines([f"{out.name(_prom(QUARANTINED))} {_count(self._broker.quarantine.count)}\n"])
 
+        if self._replication is not None:
+            self._write_replication(out, self._replication.replica_gauges())
+
         histogram = self._histogram(out, _prom(DELIVERY_LATENCY) + "_seconds", 1000)
         out.family(
             _prom(DELIVERY_LATENCY) + "_seconds", "histogram", DELIVERY_LATENCY_HELP, "seconds"
@@ -259,6 +272,25 @@ class PrometheusExposition:
         lines = []
         histogram(lines, self._loop_lag.snapshot(), "")
         out.lines(lines)
+
+    def _write_replication(self, out: _Writer, gauges: list[ReplicaGauge]) -> None:
+        queue_key, node_key = out.label("queue"), out.label("node")
+        labelled = [(g, f'{queue_key}="{_label_value(g.queue)}"') for g in gauges]
+        out.family(_prom(REPLICAS), "gauge", REPLICAS_HELP)
+        sample = out.name(_prom(REPLICAS))
+        out.lines([f"{sample}{{{lbl}}} {_count(g.replicas)}\n" for g, lbl in labelled])
+        out.family(_prom(REPLICAS_IN_SYNC), "gauge", REPLICAS_IN_SYNC_HELP)
+        sample = out.name(_prom(REPLICAS_IN_SYNC))
+        out.lines([f"{sample}{{{lbl}}} {_count(g.in_sync)}\n" for g, lbl in labelled])
+        out.family(_prom(REPLICA_LAG), "gauge", REPLICA_LAG_HELP)
+        sample = out.name(_prom(REPLICA_LAG))
+        out.lines(
+            [
+                f'{sample}{{{node_key}="{node}",{lbl}}} {_count(lag)}\n'
+                for g, lbl in labelled
+                for node, lag in sorted(g.lag.items())
+            ]
+        )
 
     def _histogram(
         self, out: _Writer, name: str, divisor: float

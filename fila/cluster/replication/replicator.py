@@ -329,6 +329,23 @@ class Replicator:
             if node_id != self.node_id
         }
 
+    def gauges(self) -> list[tuple[str, int, int, dict[int, int]]]:
+        """(queue, replicas, in sync, lag by follower) for each queue led here. Safe to
+        call from another thread: it reads copies (one C-level call each)."""
+        found = []
+        for group, leading in list(self._leading.items()):
+            record = self._records.get(group)
+            if record is None:
+                continue
+            last = leading.position.seq
+            lag = {
+                node_id: max(0, last - leading.acked(node_id))
+                for node_id in record.replicas
+                if node_id != self.node_id
+            }
+            found.append((group, len(record.replicas), len(record.isr), lag))
+        return found
+
     def led(self) -> list[str]:
         return sorted(self._leading)
 

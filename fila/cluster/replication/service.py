@@ -41,6 +41,7 @@ from fila.core.broker import Broker
 from fila.core.errors import BrokerError
 from fila.storage.backend import Storage
 from fila.storage.committer import Committer
+from fila.telemetry.metrics import ReplicaGauge
 
 log = logging.getLogger("fila.cluster.replication")
 
@@ -151,6 +152,14 @@ class Replication:
 
     def follower_lag(self, group: str) -> dict[int, int]:
         return self.replicator.follower_lag(group)
+
+    def replica_gauges(self) -> list[ReplicaGauge]:
+        """The metrics' view (`fila.telemetry.metrics.ReplicationState`): read on the
+        exporter's thread, from copies."""
+        return [
+            ReplicaGauge(group, replicas, in_sync, lag)
+            for group, replicas, in_sync, lag in self.replicator.gauges()
+        ]
 
     async def remove_node(self, node_id: int, discard: bool) -> Removal:
         """RemoveNode (see `removal`)."""

@@ -25,6 +25,8 @@ class QueueRow:
     dlq_depth: int | None
     rates: Rates | None
     stats_error: str
+    leader: int = 0  # cluster mode: the node leading the queue
+    in_sync: str = ""  # a replicated queue's in-sync replicas, as "2/3"
 
 
 def queue_rows(sampler: Sampler) -> list[QueueRow]:
@@ -53,6 +55,12 @@ def queue_rows(sampler: Sampler) -> list[QueueRow]:
                 dlq_depth=dlq_latest.depth if dlq_latest else None,
                 rates=history.rates(RATE_WINDOW_S),
                 stats_error=latest.stats_error,
+                leader=latest.leader,
+                in_sync=(
+                    f"{len(latest.in_sync)}/{len(latest.replicas)}"
+                    if len(latest.replicas) > 1
+                    else ""
+                ),
             )
         )
     return rows
