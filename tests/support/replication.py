@@ -10,11 +10,10 @@ from pathlib import Path
 import grpc
 
 from fila.cluster.replication.position import Position
-from fila.cluster.replication.records import queue_records
 from fila.storage import keys
 from fila.storage.backend import RocksStorage
 from fila.testing.etcd import EtcdCluster
-from fila.v1 import admin_pb2
+from fila.v1 import admin_pb2, messages_pb2
 from support import wait_until
 from support.cluster import Cluster, require_etcd
 
@@ -65,11 +64,26 @@ def wait_in_sync(made: Cluster, queue: str, via: int, members: set[int], within:
 
 
 def stored(data_dir: Path, queue: str) -> tuple[dict[bytes, bytes], Position | None]:
-    """What a stopped node's disk holds of `queue` (and its DLQ): its records, and its
+    """What a stopped node's disk holds of `queue` (and its DLQ): its records (the
+    queue records, the messages naming them, and those messages' lease and delay
+    records, read here on their own, not through the code under test), and its
     replica's position."""
+    names = {queue, f"{queue}.dlq"}
     storage = RocksStorage(data_dir)
     try:
-        records = {k: v for chunk in queue_records(storage.view(), queue) for k, v in chunk if v}
+        records = {
+            key: value
+            for name in names
+            for key, value in storage.scan(keys.queue_key(name))
+            if key == keys.queue_key(name)
+        }
+        for key, value in storage.scan(keys.MESSAGE):
+            if messages_pb2.Message.FromString(value).metadata.queue_id in names:
+                records[key] = value
+        for prefix in (keys.LEASE, keys.DELAY):
+            for key, value in storage.scan(prefix):
+                if keys.message_key_from_side_key(key) in records:
+                    records[key] = value
         raw = storage.get(keys.replica_key(queue))
         return records, None if raw is None else Position.decode(raw)
     finally:
