@@ -3,8 +3,9 @@
 The fsync-before-answer proof against a real broker is `test_fsync.py` (strace);
 these pin down the committer's own rules, which that proof cannot isolate: a
 writer is answered only once a sync that *started after its write* has ended;
-writes that arrive during a sync share the next one; a sync error reaches every
-waiter and stops the broker; closing waits for the sync in flight, and a sync
+writes that arrive during a sync share the next one; a write nobody waits on
+(`sync_soon`) rides the next sync, or gets one of its own after `SYNC_SOON_S`; a sync
+error reaches every waiter and stops the broker; closing waits for the sync in flight, and a sync
 asked for after closing fails instead of leaving its writers waiting forever.
 """
 
@@ -19,8 +20,10 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 
 from fila.config import PersistMode
+from fila.storage import committer as committer_module
 from fila.storage.backend import MemoryStorage, StorageError
 from fila.storage.committer import Committer
+from tests.support import until
 
 DEADLINE_S = 10.0
 
@@ -182,3 +185,80 @@ async def test_flush_now_writes_and_fsyncs_what_is_pending_and_answers_its_write
         await asyncio.wait_for(done, DEADLINE_S)
     finally:
         committer.close()
+
+
+# -- sync_soon: writes nobody waits on ride the next sync ----------------------------
+
+
+@pytest.fixture
+def soon_s(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
+    """Sets how long a `sync_soon` write waits for a sync asked for by something else."""
+    return lambda seconds: monkeypatch.setattr(committer_module, "SYNC_SOON_S", seconds)
+
+
+def test_a_sync_soon_write_rides_the_sync_of_the_next_answered_write(
+    soon_s: Callable[[float], None],
+) -> None:
+    soon_s(DEADLINE_S * 10)  # its own timer never fires within the test
+
+    async def test() -> None:
+        with gated_committer() as (storage, committer):
+            committer.put(b"ack", b"")
+            committer.sync_soon()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            assert storage.writes == 1  # written to the WAL at the end of its turn
+            assert storage.writes_at_sync == []  # but no sync of its own
+            answered = await _write_held_in_sync(storage, committer, b"enqueue")
+            assert storage.writes_at_sync == [2]  # one sync for both
+            storage.gate.set()
+            await asyncio.wait_for(answered, DEADLINE_S)
+            assert storage.sync_count == 1
+
+    asyncio.run(test())
+
+
+def test_a_lone_sync_soon_write_gets_a_sync_of_its_own(soon_s: Callable[[float], None]) -> None:
+    soon_s(0)
+
+    async def test() -> None:
+        with gated_committer() as (storage, committer):
+            storage.gate.set()
+            committer.put(b"ack", b"")
+            committer.sync_soon()
+            await until(lambda: storage.sync_count == 1, "the sync_soon write synced", DEADLINE_S)
+            assert storage.writes_at_sync == [1]
+
+    asyncio.run(test())
+
+
+def test_a_sync_soon_write_during_a_sync_gets_the_next_one(
+    soon_s: Callable[[float], None],
+) -> None:
+    """The sync running when it was written may have started before it: it is covered
+    only by a sync that starts later, even with nothing else asking for one."""
+    soon_s(0)
+
+    async def test() -> None:
+        with gated_committer() as (storage, committer):
+            first = await _write_held_in_sync(storage, committer, b"enqueue")
+            committer.put(b"ack", b"")
+            committer.sync_soon()
+            for _ in range(3):  # its timer (due at once) runs while the sync is held
+                await asyncio.sleep(0)
+            assert storage.writes_at_sync == [1]
+            storage.gate.set()
+            await asyncio.wait_for(first, DEADLINE_S)
+            await until(lambda: storage.sync_count == 2, "a second sync", DEADLINE_S)
+            assert storage.writes_at_sync == [1, 2]
+
+    asyncio.run(test())
+
+
+@in_loop
+async def test_sync_soon_in_buffer_mode_syncs_nothing() -> None:
+    with gated_committer("buffer") as (storage, committer):
+        committer.put(b"ack", b"")
+        committer.sync_soon()
+        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+        assert (storage.writes, storage.writes_at_sync) == (1, [])

@@ -125,7 +125,7 @@ class Settlement:
         for message_id, error in nacks:
             self._fail(queue, _named(queue, leases.get, message_id), error, run_hook=True)
             queue.counters.nacked += 1
-        self.state.committer.flushed()  # no one awaits it; it makes sure a sync follows
+        self.state.committer.sync_soon()  # no one awaits it: it rides the next sync
 
     # -- by the broker ------------------------------------------------------------------
 

@@ -15,6 +15,11 @@ is in flight waits for the next one (group commit). Writers never wait on each
 other: they add their operations and await `Committer.flushed()`, a future
 shared by everything in their batch. Work that must only happen once a write
 is durable (a message becoming deliverable) registers with `after_commit`.
+A write nobody waits on (a settlement on a stream, which has no reply) asks for
+`sync_soon` instead: it becomes durable with the next sync, whatever asks for that
+one, and a sync starts `SYNC_SOON_S` after it if nothing else asked for one first.
+So a drain's acks share syncs instead of each starting its own, and an ack never
+holds up the sync an answer waits for (one sync runs at a time).
 ``buffer`` mode skips the fsync; the WAL write still happens before the answer,
 so a killed process loses nothing, only a power loss can.
 
@@ -67,6 +72,9 @@ from fila.telemetry.histogram import FSYNC_BOUNDS_S, FixedHistogram
 
 log = logging.getLogger("fila.storage")
 
+# The longest a `sync_soon` write waits for a sync that something else asks for.
+SYNC_SOON_S = 0.005
+
 
 class Gate(Protocol):
     """What a batch's writers wait on besides its fsync (see the module docstring)."""
@@ -117,6 +125,12 @@ class Committer:
         self._after: list[Callable[[], None]] = []
         self._durable: list[Callable[[], None]] = []
         self._scheduled = False
+        # `sync_soon`: asked for in the open batch; written and not yet covered by a
+        # sync; its timer; and that timer fired while a sync was running.
+        self._soon_open = False
+        self._soon_unsynced = False
+        self._soon_timer: asyncio.TimerHandle | None = None
+        self._soon_overdue = False
         self._failed: StorageError | None = None
         # Written to the WAL but not yet fsynced, oldest first; and whether a sync runs.
         self._unsynced: list[_Waiters] = []
@@ -173,6 +187,14 @@ class Committer:
             self._schedule()
         return self._future
 
+    def sync_soon(self) -> None:
+        """Makes everything written so far, and the open batch, durable with the next
+        sync, which starts within `SYNC_SOON_S` if nothing else asks for one first (for
+        writes nobody waits on; see the module docstring). No-op in buffer mode."""
+        if self._sync:
+            self._soon_open = True
+            self._schedule()
+
     def after_commit(self, callback: Callable[[], None]) -> None:
         """Runs `callback` on the event loop once the open batch is committed."""
         self._after.append(callback)
@@ -219,6 +241,7 @@ class Committer:
     def _write_batch(self, start_sync: bool = True) -> None:
         """Appends the open batch to the WAL (no fsync, a few microseconds) and starts a sync."""
         self._scheduled = False
+        soon, self._soon_open = self._soon_open, False
         batch, ops, tags = self._batch, self._ops, self._tags
         waiters = _Waiters(self._future, self._after)
         waiters.durable = self._durable
@@ -240,12 +263,30 @@ class Committer:
                 self.ops_written += ops
         if self._failed is not None:
             waiters.fail(self._failed)
-        elif not self._sync:
+            return
+        if not self._sync:
             waiters.succeed()
-        elif waiters:
+            return
+        if soon:
+            self._soon_unsynced = True  # until a sync starts after this write
+        if waiters:
             self._unsynced.append(waiters)
             if start_sync and not self._syncing:
                 self._start_sync()
+        if start_sync and self._soon_unsynced and self._soon_timer is None:
+            loop = asyncio.get_running_loop()
+            self._soon_timer = loop.call_later(SYNC_SOON_S, self._sync_soon_due)
+
+    def _sync_soon_due(self) -> None:
+        """A `sync_soon` write waited `SYNC_SOON_S`: sync now, or after the running sync
+        (which may have started before the write)."""
+        self._soon_timer = None
+        if not self._soon_unsynced or self._failed is not None or self._closed:
+            return
+        if self._syncing:
+            self._soon_overdue = True
+        else:
+            self._start_sync()
 
     def _start_sync(self) -> None:
         """Fsyncs the WAL on a thread: flush_wal releases the GIL, so the loop keeps serving
@@ -307,7 +348,7 @@ class Committer:
     def _sync_done(self, covered: list[_Waiters], error: StorageError | None) -> None:
         self._syncing = False
         self._finish_sync(covered, error)
-        if self._unsynced and self._failed is None:
+        if (self._unsynced or self._soon_overdue) and self._failed is None:
             self._start_sync()
 
     def _finish_sync(self, covered: list[_Waiters], error: StorageError | None) -> None:
@@ -321,7 +362,10 @@ class Committer:
                 waiters.succeed()
 
     def _take_unsynced(self) -> list[_Waiters]:
+        """What the sync about to run covers: every waiter written so far, and with them
+        every `sync_soon` write."""
         taken, self._unsynced = self._unsynced, []
+        self._soon_unsynced = self._soon_overdue = False
         return taken
 
     def _fail(self, exc: StorageError) -> None:

@@ -10,6 +10,9 @@ count against the stream's `scheduler.stream_buffer_bytes` and the broker's
 
 from __future__ import annotations
 
+import asyncio
+
+from support import until
 from support.core import CoreBroker, config, make_core, run_async
 
 from fila.v1 import service_pb2
@@ -61,6 +64,22 @@ async def test_a_frame_of_settlements_is_stored_in_one_write() -> None:
     core.committer.write_now()
     assert core.storage.writes == writes + 1
     assert core.stored_message(ids[0]) is None
+
+
+@run_async
+async def test_settlements_on_a_stream_are_made_durable_without_a_reply() -> None:
+    """No one waits on them (SPEC 1: made durable with the next group commit), so they
+    start no sync of their own at once: they ride the next one anything asks for, or
+    one of their own `SYNC_SOON_S` later."""
+    core = make_core(queues=["q"], persist_mode="sync")
+    await core.enqueue("q", 2)
+    consumer = await core.attach("q", prefetch=2, max_batch=2, stream=True)
+    ids = core.take(consumer)
+    syncs = core.storage.sync_count
+    core.broker.settle_on_stream(consumer.id, "q", ids[:1], [])
+    await asyncio.sleep(0)  # the batch is written at the end of the turn
+    assert (core.stored_message(ids[0]), core.storage.sync_count) == (None, syncs)
+    await until(lambda: core.storage.sync_count > syncs, "a sync of the ack", 10.0)
 
 
 @run_async
