@@ -33,11 +33,11 @@ import shutil
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
 import pytest
+from support.markdown import Block, blocks
 
 from fila.testing.server import ServerProcess
 from fila_sdk import Client
@@ -46,8 +46,6 @@ REPO: Final = Path(__file__).resolve().parent.parent
 README: Final = REPO / "README.md"
 SCRIPT_TIMEOUT_S: Final = 300.0
 
-_FENCE: Final = re.compile(r"^```(\w*)\s*$")
-_MARKER: Final = re.compile(r"<!--\s*readme-test:\s*([\w-]+)")
 _VENV_OR_SUITE: Final = re.compile(
     r"^(source|\.)\s+\.venv/bin/activate\b|^(\./)?scripts/(setup|test)\.sh\b"
 )
@@ -81,32 +79,6 @@ readme_broker() {
   done
 }
 """
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    lang: str
-    text: str
-    line: int  # of the opening fence, 1-based
-    marker: str | None
-
-
-def blocks(markdown: str) -> list[Block]:
-    found: list[Block] = []
-    lines = markdown.splitlines()
-    i = 0
-    while i < len(lines):
-        opening = _FENCE.match(lines[i])
-        if opening is None:
-            i += 1
-            continue
-        before = next((lines[j] for j in range(i - 1, -1, -1) if lines[j].strip()), "")
-        marker = _MARKER.search(before)
-        end = next(j for j in range(i + 1, len(lines)) if lines[j].startswith("```"))
-        text = "\n".join(lines[i + 1 : end]) + "\n"
-        found.append(Block(opening[1], text, i + 1, marker[1] if marker else None))
-        i = end + 1
-    return found
 
 
 def shell_line(line: str) -> str:
