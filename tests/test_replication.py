@@ -759,3 +759,27 @@ def test_the_leader_reports_in_sync_replicas_and_follower_lag_to_prometheus(
             os.kill(made.node(follower).pid, signal.SIGCONT)
         wait_until(lambda: gauge("fila_queue_replicas_in_sync") == 3, 20, what="3 in sync")
         assert gauge("fila_queue_replica_lag", node=str(follower)) == 0
+
+
+def test_the_replication_benchmark_runs(tmp_path: Path) -> None:
+    """`fila-bench system`'s replication cases, with tiny windows: every figure there
+    (the cases check that every answered enqueue is stored, and that the replicated
+    queue is in sync on three nodes where the unreplicated one is on one)."""
+    import json
+    import subprocess
+    import sys
+
+    from fila_bench.benchmarks.replication import (
+        CATCHUP_OUTPUTS,
+        ENQUEUE_OUTPUTS,
+        FAILOVER_OUTPUTS,
+    )
+
+    out = tmp_path / "results.json"
+    argv = [sys.executable, "-m", "fila_bench", "system", "--quick", "--only", "replication_*",
+            "--measure-seconds", "0.3", "--warmup-seconds", "0", "--out", str(out)]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    figures = {b["name"]: b["value"] for b in json.loads(out.read_text())["benchmarks"]}
+    for name in (*ENQUEUE_OUTPUTS, *FAILOVER_OUTPUTS, *CATCHUP_OUTPUTS):
+        assert figures[name] > 0, name

@@ -34,6 +34,7 @@ def all_cases() -> list[Case]:
         enqueue,
         latency,
         lua,
+        replication,
         resources,
         scheduling,
         throttle,
@@ -48,6 +49,7 @@ def all_cases() -> list[Case]:
         *throttle.CASES,
         *resources.CASES,
         *cluster.CASES,
+        *replication.CASES,
         *durability.CASES,
         # The competitive harness's cells of few connections, and the unary path.
         *competitive.CASES,

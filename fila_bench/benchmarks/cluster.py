@@ -29,7 +29,7 @@ import shutil
 import statistics
 import tempfile
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
 
@@ -63,8 +63,15 @@ RECOVERY_OUTPUTS = ("cluster_recovery_ms",)
 
 
 @asynccontextmanager
-async def _cluster(ctx: Context, name: str) -> AsyncIterator[list[ServerProcess]]:
-    """etcd and three started nodes, all stopped (and their data removed) on exit."""
+async def started_cluster(
+    ctx: Context,
+    name: str,
+    *,
+    lease_ttl_ms: int = LEASE_TTL_MS,
+    settings: Callable[[int], str] | None = None,
+) -> AsyncIterator[list[ServerProcess]]:
+    """etcd and three started nodes, all stopped (and their data removed) on exit;
+    `settings(node_id)`: more `[cluster]` lines for that node."""
     root = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=ctx.workdir))
     etcd = EtcdCluster(root / "etcd")
     nodes: list[ServerProcess] = []
@@ -74,14 +81,15 @@ async def _cluster(ctx: Context, name: str) -> AsyncIterator[list[ServerProcess]
             port = free_port()
             config = (
                 f'[cluster]\nnode_id = {node_id}\nadvertise_addr = "127.0.0.1:{port}"\n'
-                f'etcd_endpoints = ["{etcd.endpoints[0]}"]\nlease_ttl_ms = {LEASE_TTL_MS}\n'
+                f'etcd_endpoints = ["{etcd.endpoints[0]}"]\nlease_ttl_ms = {lease_ttl_ms}\n'
+                + (settings(node_id) if settings is not None else "")
             )
             node = ServerProcess(
                 root / f"node{node_id}" / "data", config_toml=config, persist_mode="sync", port=port
             )
             nodes.append(node)
             await asyncio.to_thread(node.start)
-            _pin(ctx, node)
+            pin(ctx, node)
         yield nodes
     finally:
         for node in nodes:
@@ -91,14 +99,14 @@ async def _cluster(ctx: Context, name: str) -> AsyncIterator[list[ServerProcess]
         await asyncio.to_thread(shutil.rmtree, root, True)
 
 
-def _pin(ctx: Context, node: ServerProcess) -> None:
+def pin(ctx: Context, node: ServerProcess) -> None:
     if ctx.placement is not None:
         pin_process(node.pid, ctx.placement.server)
 
 
 async def _forwarding(ctx: Context) -> list[Result]:
     p = ctx.profile
-    async with _cluster(ctx, "cluster-forwarding") as nodes:
+    async with started_cluster(ctx, "cluster-forwarding") as nodes:
         owner, other, reader = nodes
         async with AsyncClient(owner.addr) as admin:
             await admin.create_queue(QUEUE)  # the first queue goes to node 1 (fewest, lowest)
@@ -162,7 +170,7 @@ def _rate(name: str, msg_per_s: float) -> Result:
 
 async def _recovery(ctx: Context) -> list[Result]:
     kills = 2 if ctx.profile.name == "quick" else 5
-    async with _cluster(ctx, "cluster-recovery") as nodes:
+    async with started_cluster(ctx, "cluster-recovery") as nodes:
         owner, other, _reader = nodes
         timings: list[float] = []
         async with AsyncClient(owner.addr) as admin:
@@ -178,7 +186,7 @@ async def _recovery(ctx: Context) -> list[Result]:
                     acknowledged.append(await _first_success(client, killed_at))
                 finally:
                     await restart
-                _pin(ctx, owner)
+                pin(ctx, owner)
                 timings.append((time.perf_counter() - killed_at) * 1000)
             depth = (await client.get_stats(QUEUE)).depth
     results = [latency_ms("cluster_recovery_ms", statistics.median(timings), gated=False)]
