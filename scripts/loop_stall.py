@@ -13,7 +13,9 @@ while a probe producer enqueues to an unrelated queue every 5 ms (one call in fl
 - peek: the redriven queue (a fairness key per message, each ready) is paged with
   `limit=1`; then a queue holding `--delayed` messages delayed for an hour (0: this
   part is skipped) with `limit=1` (`--pages` pages, each after the last) and
-  `limit=100`; reported: each page's time and the probe's latencies.
+  `limit=100`; reported: each page's time and the probe's latencies;
+- purge and delete: PurgeQueue of the delayed queue, then DeleteQueue of the redriven
+  one; reported: each call's time and the probe's latencies.
 
 Where the broker exports `fila_loop_lag_seconds`, each phase also reports the loop
 lag samples taken during it (their count, the bucket of the 99th percentile, and the
@@ -101,6 +103,22 @@ def peek_pages(stubs: Stubs, prometheus_port: int, queue: str, limit: int, pages
     print(f"  {report_lag(lag_before, scrape_lag(prometheus_port))}", flush=True)
 
 
+def timed_admin(stubs: Stubs, prometheus_port: int, rpc: str, queue: str) -> None:
+    """One PurgeQueue or DeleteQueue of `queue` while the probe enqueues: its time, the
+    probe's latencies and the loop lag."""
+    request = getattr(admin_pb2, f"{rpc}Request")(queue=queue)
+    lag_before = scrape_lag(prometheus_port)
+    with Probe(stubs, "probe") as probe:
+        time.sleep(0.2)
+        started = time.perf_counter()
+        getattr(stubs.admin, rpc)(request, timeout=600)
+        took = time.perf_counter() - started
+        time.sleep(0.2)
+    print(f"  {rpc}: {took:.2f} s")
+    print(f"  {report_probe(probe)}")
+    print(f"  {report_lag(lag_before, scrape_lag(prometheus_port))}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=80_000)
@@ -156,6 +174,9 @@ def main() -> None:
                 )
                 for limit in (1, 100):
                     peek_pages(stubs, prometheus_port, "later", limit, args.pages)
+                print(f"purge and delete: the {args.keys} ready and {args.delayed} delayed")
+                timed_admin(stubs, prometheus_port, "PurgeQueue", "later")
+                timed_admin(stubs, prometheus_port, "DeleteQueue", "keys")
         finally:
             server.stop(120)
 

@@ -15,11 +15,11 @@ import heapq
 import itertools
 import logging
 import time
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from fila.core import retry, stored
+from fila.core import removal, retry, stored
 from fila.core.drr import FairnessKey
 from fila.core.errors import (
     BrokerError,
@@ -153,6 +153,10 @@ class Administration:
         self.state = state
         self._delivery = delivery
         self._settlement = settlement
+        # Queues whose records are still being deleted (a name comes free at the end).
+        self._deleting: set[str] = set()
+        # Purges and deletions under way, held here so that nothing can drop them.
+        self._background: set[asyncio.Task[None]] = set()
 
     # -- queues --------------------------------------------------------------------
 
@@ -225,6 +229,10 @@ class Administration:
         queues = self.state.queues
         if name in queues:
             raise QueueAlreadyExists(name)
+        if name in self._deleting:
+            raise Unavailable(
+                f'queue "{name}" is still being deleted; create it once DeleteQueue has answered'
+            )
         orphan = queues.get(dlq_name(name))
         # An existing DLQ of `name` while `name` does not exist is an orphan: damage
         # (a repair that lost the queue's record but kept its DLQ's) left it, since
@@ -264,13 +272,25 @@ class Administration:
                 f'queue "{name}" is the dead-letter queue of "{queue.record.dlq_of}"; '
                 "delete that queue instead"
             )
-        self._drop_queue(queue)
         dlq_name = queue.dlq_name
         dlq = self.state.queues.get(dlq_name) if dlq_name else None
-        if dlq is not None:
-            self._drop_queue(dlq)
+        gone = [queue] if dlq is None else [queue, dlq]
+        doomed = [self._drop_queue(each) for each in gone]
+        names = {each.name for each in gone}
+        self._deleting |= names
         log.info("queue deleted", extra={"queue": name})
-        return self.state.committer.flushed()
+        # The queue records go last: a crash part-way leaves the queue, with what it
+        # still holds, and its name stays taken until the records are gone.
+        return self._in_background(
+            removal.delete_records(
+                self.state.committer,
+                doomed,
+                [(keys.queue_key(each.name), each.name) for each in gone],
+                self._open,
+                "deletion",
+            ),
+            then=lambda: self._deleting.difference_update(names),
+        )
 
     def list_queues(self) -> list[Queue]:
         return sorted(self.state.queues.values(), key=lambda q: q.name)
@@ -639,23 +659,18 @@ class Administration:
         return heapq.merge(*sources, key=_ref_key)
 
     def purge(self, queue_name: str) -> tuple[int, asyncio.Future[None]]:
-        """Deletes every ready and delayed message (leased ones finish normally)."""
+        """Deletes every ready and delayed message (leased ones finish normally): gone
+        from memory at once, their records deleted a chunk per turn (`fila.core.removal`);
+        the future is done when the last chunk is committed."""
         self.state.check_open()
         queue = self.state.queue(queue_name)
-        committer = self.state.committer
-        purged = queue.drr.drain()
-        purged += queue.limbo.values()
-        for ref in purged:
-            committer.delete(ref.key, queue.name)
-        for ref in queue.delayed.values():
-            committer.delete(ref.key, queue.name)
-            committer.delete(keys.delay_key(ref.key), queue.name)
-        count = len(purged) + len(queue.delayed)
-        queue.limbo.clear()
-        queue.delayed.clear()
+        count = queue.depth
+        detached = _detach_messages(queue)
         queue.counters.purged += count
         log.info("queue purged", extra={"queue": queue.name, "messages": count})
-        return count, committer.flushed()
+        return count, self._in_background(
+            removal.delete_records(self.state.committer, [detached], (), self._open, "purge")
+        )
 
     # -- restore (recovery), and letting go -------------------------------------------
 
@@ -729,20 +744,38 @@ class Administration:
         except ScriptError as exc:
             raise InvalidArgument(f'queue "{record.name}": {exc}') from None
 
-    def _drop_queue(self, queue: Queue) -> None:
+    def _drop_queue(self, queue: Queue) -> removal.Detached:
+        """Takes `queue` out of the broker: its consumers end, its leases end with their
+        messages; its ready and delayed messages are returned for `fila.core.removal`."""
         queue.deleted = True
         del self.state.queues[queue.name]
         self.state.unmark_dirty(queue)
-        committer = self.state.committer
         queue.consumers.close_all(QueueNotFound(queue.name))
         self._delivery.buffers_released()  # its streams' buffers count no more
         self._settlement.queue_deleted(queue)
-        name = queue.name
-        for ref in queue.delayed.values():
-            committer.delete(ref.key, name)
-            committer.delete(keys.delay_key(ref.key), name)
-        queue.delayed.clear()
-        for ref in itertools.chain(queue.drr.drain(), queue.limbo.values()):
-            committer.delete(ref.key, name)
-        queue.limbo.clear()
-        committer.delete(keys.queue_key(name), name)
+        return _detach_messages(queue)
+
+    def _in_background(
+        self, work: Coroutine[None, None, None], then: Callable[[], None] | None = None
+    ) -> asyncio.Future[None]:
+        """Runs `work` as a task the caller's cancellation cannot stop half-way (a
+        client that hangs up does not leave a purge or a deletion part-done), and
+        `then` once it has ended, however it ended."""
+        task = asyncio.ensure_future(work)
+        self._background.add(task)
+
+        def ended(task: asyncio.Task[None]) -> None:
+            self._background.discard(task)
+            if then is not None:
+                then()
+
+        task.add_done_callback(ended)
+        return asyncio.shield(task)
+
+
+def _detach_messages(queue: Queue) -> removal.Detached:
+    """`queue`'s ready and delayed messages, and those whose write is committing, out
+    of memory at once (see `fila.core.removal`); their records are still stored."""
+    committing = list(queue.limbo.values())
+    queue.limbo.clear()  # cleared in place: their after-commit callbacks hold this dict
+    return removal.Detached(queue.name, queue.drr.detach(), queue.detach_delayed(), committing)

@@ -22,7 +22,7 @@ messages of its weighted share over any window (the fairness requirement is
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from fila.core.fairness_key import FairnessKey, ThrottleTable
 from fila.core.records import MessageRef
@@ -152,18 +152,18 @@ class Drr:
         self.ready_count -= len(taken)
         return taken
 
-    def drain(self) -> list[MessageRef]:
-        """Takes every ready message out, oldest first within each key."""
-        refs = [ref for key in self.keys.values() for ref in key.take_all()]
-        for key in self.keys.values():
-            key.next = key.prev = None  # no cycles left behind for the collector
-        self.keys.clear()
+    def detach(self) -> Iterable[FairnessKey]:
+        """Takes every ready message out at once, as the keys holding them, in O(1)
+        (purge and DeleteQueue of any size; `fila.core.removal`): the caller owns the
+        keys from now on, and wake-ups that still name one find it gone (`unpark`)."""
+        detached = self.keys.values()
+        self.keys = {}
         self._head = None
-        self._parked.clear()
-        self.newly_parked.clear()
+        self._parked = {}
+        self.newly_parked = []
         self._turn_open = False
         self.ready_count = 0
-        return refs
+        return detached
 
     def iter_ready(self) -> Iterator[MessageRef]:
         """Every ready message, key by key in the order the keys came, oldest first."""

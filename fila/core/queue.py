@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, ValuesView
+from collections.abc import Callable, Iterable, Iterator, ValuesView
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from fila.core.consumers import ConsumerRing
@@ -187,6 +187,13 @@ class Queue:
     @property
     def name(self) -> str:
         return self.record.name
+
+    def detach_delayed(self) -> Iterable[MessageRef]:
+        """Takes every delayed message out at once, in O(1) (see `fila.core.removal`);
+        their timers find them gone (`CoreState.release_delayed`)."""
+        detached = self.delayed.values()
+        self.delayed = DelayedMessages()
+        return detached
 
     @property
     def dlq_name(self) -> str | None:

@@ -9,15 +9,19 @@ ready and delayed ones and leaves leased ones to finish. Stats count what happen
 
 from __future__ import annotations
 
-import pytest
-from support.core import config, make_core, run_async
+import asyncio
 
+import pytest
+from support.core import CoreBroker, config, make_core, restarted, run_async
+
+from fila.core import removal
 from fila.core.errors import (
     InvalidArgument,
     MessageNotFound,
     QueueAlreadyExists,
     QueueNotFound,
     ResourceExhausted,
+    Unavailable,
 )
 from fila.storage import keys
 
@@ -166,6 +170,120 @@ async def test_purge_deletes_ready_and_delayed_messages_and_leaves_leased_ones_t
     assert held == ids[:2]
     with pytest.raises(QueueNotFound):
         await core.purge("nope")
+
+
+# -- purge and delete at any size ------------------------------------------------------------
+# Issue 29 (nothing a client asks for holds the loop): the messages leave memory at once,
+# their records go a chunk per committed write (`fila.core.removal`), and a crash part-way
+# leaves the rest, which repeating the call removes.
+
+CHUNK = 10
+BIG = 30 * CHUNK + 7
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(removal, "CHUNK_MESSAGES", CHUNK)
+
+
+async def _fill(core: CoreBroker, queue: str) -> None:
+    """BIG ready messages over two fairness keys, and CHUNK delayed ones."""
+    await core.enqueue_each(queue, [{"tenant": "ab"[i % 2]} for i in range(BIG)])
+    await core.enqueue(queue, CHUNK, delay_ms=60_000)
+
+
+@run_async
+async def test_a_large_purge_deletes_a_chunk_per_write_and_serves_others_between(
+    small_chunks: None,
+) -> None:
+    core = make_core()
+    await core.create_queue("q", on_enqueue=TENANT)
+    await core.create_queue("other")
+    await _fill(core, "q")
+    writes = core.committer.batches_written
+    count, purged = core.broker.purge("q")
+    assert count == BIG + CHUNK
+    assert core.depth("q") == (0, 0) and core.peek("q") == ([], "")  # gone from memory at once
+    consumer = await core.attach("q", prefetch=100)
+    answered = await core.enqueue("other")  # answered while the purge still runs
+    assert answered and not purged.done()
+    await purged
+    assert core.take(consumer) == []
+    assert core.stored(keys.DELAY) == []
+    assert core.stored(keys.MESSAGE) == [keys.message_key(answered[0])]
+    # records of BIG + CHUNK messages and CHUNK delay records, at most CHUNK per write
+    assert core.committer.batches_written - writes >= (BIG + 3 * CHUNK) // CHUNK
+
+
+@run_async
+async def test_a_purge_cut_short_by_a_shutdown_leaves_the_rest_which_a_repeat_removes(
+    small_chunks: None,
+) -> None:
+    core = make_core()
+    await core.create_queue("q", on_enqueue=TENANT)
+    await _fill(core, "q")
+    _, purged = core.broker.purge("q")
+    await asyncio.sleep(0)  # its first chunk is in the open write
+    core.broker.close()
+    with pytest.raises(Unavailable, match="stopped part-way"):
+        await purged
+    core, _ = restarted(core)
+    left = core.depth("q")[0]
+    assert 0 < left < BIG + CHUNK, "the shutdown was not in the middle of the purge"
+    assert await core.purge("q") == left
+    assert core.stored(keys.MESSAGE) == [] and core.stored(keys.DELAY) == []
+
+
+@run_async
+async def test_a_purge_whose_caller_went_away_still_finishes(small_chunks: None) -> None:
+    core = make_core(queues=["q"])
+    await core.enqueue("q", BIG)
+    _, purged = core.broker.purge("q")
+    purged.cancel()  # the client hung up
+    await core.enqueue("q", 0)  # an empty batch: one more commit to wait on
+    for _ in range(BIG):
+        await core.settle()
+    assert core.stored(keys.MESSAGE) == []
+
+
+@run_async
+async def test_a_queue_being_deleted_keeps_its_name_until_its_records_are_gone(
+    small_chunks: None,
+) -> None:
+    core = make_core()
+    await core.create_queue("q", on_enqueue=TENANT)
+    await _fill(core, "q")
+    deleted = core.broker.delete_queue("q")
+    assert "q" not in core.queue_names()
+    with pytest.raises(Unavailable, match="still being deleted"):
+        await core.create_queue("q")
+    await deleted
+    await core.create_queue("q")
+    assert core.depth("q") == (0, 0)
+    assert core.stored(keys.MESSAGE) == [] and core.stored(keys.DELAY) == []
+    core, _ = restarted(core)
+    assert core.depth("q") == (0, 0)  # nothing of the old queue came back into the new one
+
+
+@run_async
+async def test_a_deletion_cut_short_by_a_shutdown_leaves_the_queue_with_what_it_still_holds(
+    small_chunks: None,
+) -> None:
+    core = make_core()
+    await core.create_queue("q", on_enqueue=TENANT)
+    await _fill(core, "q")
+    deleted = core.broker.delete_queue("q")
+    await asyncio.sleep(0)
+    core.broker.close()
+    with pytest.raises(Unavailable, match="stopped part-way"):
+        await deleted
+    core, report = restarted(core)
+    assert report.orphans == 0  # the queue records went last: no message lost its queue
+    left = core.depth("q")[0]
+    assert 0 < left < BIG + CHUNK, "the shutdown was not in the middle of the deletion"
+    await core.delete_queue("q")
+    assert core.queue_names() == []
+    assert core.stored(keys.MESSAGE) == [] and core.stored(keys.QUEUE) == []
 
 
 # -- stats ------------------------------------------------------------------------------------
