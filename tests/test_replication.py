@@ -10,6 +10,9 @@ What is shown here:
   `lease_ttl_ms` + 1 s (a short run of `scripts/crash_soak.py --cluster`);
 - a leader paused (SIGSTOP) for twice its lease under load: nothing it acknowledged
   is lost, and it acknowledges nothing once it resumes;
+- five nodes, a queue on three: failover through a node holding no copy; with no
+  in-sync replica alive the queue says which nodes it waits for, and a replica out of
+  the in-sync set never leads it (no unclean election);
 - after each of these, every replica holds exactly the leader's records (no
   divergent entry), read from the nodes' disks once they are stopped.
 
@@ -52,12 +55,17 @@ TTL_S = LEASE_TTL_MS / 1000
 FAILOVER_GOAL_S = TTL_S + 1
 
 
-def _same_on_every_replica(made: Cluster, queue: str) -> None:
-    """Stops every node and compares what their disks hold of `queue`."""
+def _same_on_every_replica(made: Cluster, queue: str, among: set[int] | None = None) -> None:
+    """Stops every node and compares what the disks of `among` (every node by default)
+    hold of `queue`."""
     for proc in made.nodes.values():
         if proc.running:
             proc.stop()
-    seen = {node_id: stored(proc.data_dir, queue) for node_id, proc in made.nodes.items()}
+    seen = {
+        node_id: stored(proc.data_dir, queue)
+        for node_id, proc in made.nodes.items()
+        if among is None or node_id in among
+    }
     records = {node_id: found[0] for node_id, found in seen.items()}
     first = next(iter(records.values()))
     assert first, f"no node holds {queue}"
@@ -521,6 +529,84 @@ def test_a_leader_cut_from_etcd_and_its_followers_stops_and_comes_back_as_a_foll
         if made is not None:
             made.close()
         nets.close()
+
+
+def test_five_nodes_a_queue_on_three_fails_over_and_without_an_in_sync_replica_waits(
+    tmp_path: Path,
+) -> None:
+    """Five nodes, replication_factor 3: a queue is held by three of them and served
+    through all five. Its leader killed, an in-sync follower takes over. Both remaining
+    in-sync replicas killed, the queue has no leader and says which nodes it waits for;
+    the old leader, back but out of the in-sync set, may not lead it (no unclean
+    election), however long it waits; one in-sync replica back, the queue is served
+    again with every answered enqueue."""
+    with replicated_cluster(tmp_path, nodes=5) as made:
+        made.fila(1).create_queue("five")
+        info = queue_info(made, "five", 1)
+        assert info is not None and len(info.replica_node_ids) == 3
+        replicas = set(info.replica_node_ids)
+        first = int(info.leader_node_id)
+        outsider = min(set(range(1, 6)) - replicas)  # holds no copy: forwards every call
+        wait_in_sync(made, "five", outsider, replicas, 10)
+        sent = [made.fila(outsider).enqueue("five", b"%d" % i) for i in range(30)]
+
+        def enqueue_through_outsider() -> str:
+            try:
+                return made.fila(outsider).enqueue("five", b"after")
+            except grpc.RpcError:
+                return ""
+
+        made.node(first).kill()
+        killed_at = time.monotonic()
+        sent.append(wait_until(enqueue_through_outsider, FAILOVER_GOAL_S + 5, what="failover"))
+        assert time.monotonic() - killed_at <= FAILOVER_GOAL_S
+        isr = replicas - {first}
+        wait_in_sync(made, "five", outsider, isr, 10)
+        assert leader(made, "five", outsider) in isr
+
+        for node_id in isr:
+            made.node(node_id).kill()
+        waiting = f"(nodes {', '.join(str(n) for n in sorted(isr))})"
+
+        def refusal() -> str:
+            try:
+                made.fila(outsider).svc.Enqueue(
+                    service_pb2.EnqueueRequest(queue="five", payload=b"x"), timeout=2
+                )
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    return ""  # forwarded to a leader etcd does not count as dead yet
+                assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                return str(exc.details())
+            return "answered"
+
+        told = wait_until(
+            lambda: "has no leader" in (said := refusal()) and said,
+            TTL_S + 10,
+            what="the queue saying it has no leader",
+        )
+        assert waiting in told, told
+        made.node(first).start()  # a whole replica, but out of the in-sync set
+        wait_until(lambda: first in status_up(made.node(outsider).addr), 10, what="back")
+        watched_until = time.monotonic() + 2 * TTL_S  # elections retry every 0.2 s
+        while time.monotonic() < watched_until:
+            said = refusal()
+            assert "has no leader" in said and waiting in said, said
+            time.sleep(0.05)  # paces the probes; the window above is what is tested
+        assert leader(made, "five", outsider) != first
+
+        back = min(isr)
+        made.node(back).start()
+        sent.append(wait_until(enqueue_through_outsider, TTL_S + 10, what="served again"))
+        assert leader(made, "five", outsider) == back
+        for node_id in isr - {back}:
+            made.node(node_id).start()
+        wait_in_sync(made, "five", outsider, replicas, 30)
+        kept = _stored_ids(made, outsider, "five")
+        assert set(sent) <= kept, f"{len(set(sent) - kept)} answered enqueues are lost"
+        _same_on_every_replica(made, "five", among=replicas)
+        for node_id in set(range(1, 6)) - replicas:
+            assert not stored(made.node(node_id).data_dir, "five")[0], node_id
 
 
 PUBLISHED_BEFORE = r"""
