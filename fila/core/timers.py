@@ -9,6 +9,10 @@ heap is rebuilt from live entries whenever it doubles.
 With `loop_driven=False` nothing is armed on the event loop: whoever drives the
 clock (a test on a `ManualClock`) calls `run_due()` after moving time.
 
+Entries run at most `PER_TURN` to a turn of the event loop, the rest on the turns
+after, others served between: a million delays due at once, or the leases and delays
+that fell due while the broker was down, do not hold the loop.
+
 A callback that raises is a bug, but it must not take the timers with it: the
 error is logged with its traceback and counted (`failures`), the entries after it
 still run, and the next one is armed, so one bad lease cannot leave every later
@@ -29,6 +33,8 @@ from fila.clock import Clock
 log = logging.getLogger("fila.timers")
 
 _MIN_COMPACT = 10_000
+# Entries a loop-driven turn runs at most (see the module docstring).
+PER_TURN = 1000
 
 
 class Timers:
@@ -64,11 +70,14 @@ class Timers:
             self._handle = None
         self._heap.clear()
 
-    def run_due(self) -> None:
-        """Runs every entry whose time has come, in time order."""
+    def run_due(self, limit: int | None = None) -> None:
+        """Runs the entries whose time has come, in time order: every one, or at most
+        `limit` (those left are still due, and run first next time)."""
         now = self._clock.now_ms()
         heap = self._heap
-        while heap and heap[0][0] <= now:
+        budget = -1 if limit is None else limit  # -1: no limit (it never reaches 0)
+        while heap and heap[0][0] <= now and budget != 0:
+            budget -= 1
             _, _, callback, arg = heapq.heappop(heap)
             try:
                 callback(arg)
@@ -102,6 +111,6 @@ class Timers:
         self._handle = None
         self._armed_for = None
         try:
-            self.run_due()
+            self.run_due(PER_TURN)
         finally:
-            self._arm()
+            self._arm()  # at once, on the next turn, if some that are due are left

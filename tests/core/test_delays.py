@@ -10,8 +10,11 @@ restart (tests/core/test_recovery.py).
 
 from __future__ import annotations
 
+import asyncio
+
 from support.core import ManualClock, make_core, run_async
 
+from fila.core import timers as timers_module
 from fila.core.errors import InvalidArgument
 from fila.core.timers import Timers
 from fila.storage import keys
@@ -142,6 +145,27 @@ async def test_a_delayed_message_of_a_deleted_queue_does_not_come_back_in_its_na
     await core.advance(1000)
     assert core.take(consumer) == [] and core.depth("q") == (0, 0)
     assert core.stored(keys.DELAY) == [] and core.stored(keys.MESSAGE) == []
+
+
+@run_async
+async def test_a_mass_of_due_timers_runs_a_bounded_number_per_loop_turn() -> None:
+    # Issue 29: a million delays due at once (or past due after a restart) must not
+    # hold the loop; the loop-driven timers run PER_TURN entries a turn.
+    clock = ManualClock()
+    fired: list[int] = []
+    timers = Timers(clock, lambda _: True)
+    total = 2 * timers_module.PER_TURN + 5
+    for n in range(total):
+        timers.at(clock.now_ms(), fired.append, n)
+    seen: list[int] = []
+    while len(fired) < total:
+        await asyncio.sleep(0)  # one turn: others run between the timers' turns
+        seen.append(len(fired))
+    steps = [b - a for a, b in zip([0, *seen], seen, strict=False)]
+    assert max(steps) <= timers_module.PER_TURN
+    assert len([step for step in steps if step]) >= 3
+    assert fired == list(range(total))  # time order, then the order they were set
+    timers.close()
 
 
 def test_timers_fire_in_time_order_only_when_due() -> None:
