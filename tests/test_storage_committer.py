@@ -15,14 +15,16 @@ import asyncio
 import contextlib
 import functools
 import threading
+import time
 from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 
 from fila.config import PersistMode
 from fila.storage import committer as committer_module
-from fila.storage.backend import MemoryStorage, StorageError
+from fila.storage.backend import Batch, MemoryStorage, StorageError
 from fila.storage.committer import Committer
+from fila.storage.thread_priority import PriorityOutcome
 from tests.support import until
 
 DEADLINE_S = 10.0
@@ -156,7 +158,7 @@ async def test_a_sync_asked_for_after_close_fails_instead_of_hanging() -> None:
     await asyncio.wait_for(committer.flushed(), DEADLINE_S)
     committer.close()
     committer.put(b"late", b"v")
-    with pytest.raises(StorageError, match="after shutdown"):
+    with pytest.raises(StorageError, match=r"^WAL sync asked for after shutdown$"):
         await asyncio.wait_for(committer.flushed(), DEADLINE_S)
     assert len(failures) == 1
 
@@ -255,6 +257,51 @@ def test_a_sync_soon_write_during_a_sync_gets_the_next_one(
     asyncio.run(test())
 
 
+def test_every_lone_sync_soon_write_gets_a_sync_of_its_own(
+    soon_s: Callable[[float], None],
+) -> None:
+    """Not only the first: the timer is armed again for the next one."""
+    soon_s(0)
+
+    async def test() -> None:
+        with gated_committer() as (storage, committer):
+            storage.gate.set()
+            for count in (1, 2, 3):
+                committer.put(b"ack-%d" % count, b"")
+                committer.sync_soon()
+                await until(
+                    lambda n=count: storage.sync_count == n,
+                    f"sync {count}",
+                    DEADLINE_S,
+                )
+
+    asyncio.run(test())
+
+
+def test_a_sync_soon_write_covered_by_another_sync_starts_none_of_its_own(
+    soon_s: Callable[[float], None],
+) -> None:
+    """Its timer, firing after a sync that started after the write, has nothing to do."""
+    soon_s(0.5)
+
+    async def test() -> None:
+        with gated_committer() as (storage, committer):
+            committer.put(b"ack", b"")
+            committer.sync_soon()
+            for _ in range(3):
+                await asyncio.sleep(0)
+            answered = await _write_held_in_sync(storage, committer, b"enqueue")
+            assert storage.writes_at_sync == [2]  # the ack's write is covered
+            await asyncio.sleep(1.0)  # the ack's timer (due at 0.5 s) fires first
+            storage.gate.set()
+            await asyncio.wait_for(answered, DEADLINE_S)
+            committer.put(b"next", b"")
+            await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+            assert storage.writes_at_sync == [2, 3], "no sync for the ack alone"
+
+    asyncio.run(test())
+
+
 @in_loop
 async def test_sync_soon_in_buffer_mode_syncs_nothing() -> None:
     with gated_committer("buffer") as (storage, committer):
@@ -262,3 +309,196 @@ async def test_sync_soon_in_buffer_mode_syncs_nothing() -> None:
         committer.sync_soon()
         await asyncio.wait_for(committer.flushed(), DEADLINE_S)
         assert (storage.writes, storage.writes_at_sync) == (1, [])
+
+
+# -- work that waits on a batch without a writer -------------------------------------
+
+
+@pytest.mark.parametrize("register", ["after_commit", "when_durable"])
+def test_work_registered_on_a_batch_with_no_writer_runs_once_the_batch_is_synced(
+    register: str,
+) -> None:
+    """A batch whose only waiter is after-commit (or durable) work is synced like any
+    other, and the work runs only then."""
+
+    async def test() -> None:
+        ran: list[str] = []
+        with gated_committer() as (storage, committer):
+            committer.put(b"k", b"v")
+            getattr(committer, register)(lambda: ran.append(register))
+            entered = await asyncio.to_thread(storage.entered.acquire, True, DEADLINE_S)
+            assert entered, "no sync started for the batch"
+            await asyncio.sleep(0)
+            assert ran == []
+            storage.gate.set()
+            await until(lambda: ran == [register], "the work ran after the sync", DEADLINE_S)
+
+    asyncio.run(test())
+
+
+@in_loop
+async def test_a_failed_sync_reaches_the_waiters_written_while_it_ran() -> None:
+    """Writes that arrived during the sync that failed are never synced: their writers
+    hear of the failure too (also after a batch nobody awaited), instead of waiting
+    for an answer that never comes."""
+    failures: list[StorageError] = []
+    with gated_committer(on_failure=failures.append) as (storage, committer):
+        first = await _write_held_in_sync(storage, committer, b"first")
+        ran: list[str] = []
+        committer.put(b"unawaited", b"v")
+        committer.after_commit(lambda: ran.append("after"))  # no writer awaits this batch
+        await asyncio.sleep(0)
+        committer.put(b"awaited", b"v")
+        later = committer.flushed()
+        await asyncio.sleep(0)
+        storage.fail_with = StorageError("WAL sync failed: disk gone")
+        storage.gate.set()
+        for done in (first, later):
+            with pytest.raises(StorageError, match="disk gone"):
+                await asyncio.wait_for(done, DEADLINE_S)
+        assert ran == [] and len(failures) == 1
+
+
+@in_loop
+async def test_each_sync_is_timed_in_the_fsync_histogram() -> None:
+    storage = MemoryStorage()
+    committer = Committer(storage, "sync", lambda exc: None)
+    try:
+        started = time.perf_counter()
+        committer.put(b"k", b"v")
+        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+        elapsed = time.perf_counter() - started
+        timed = committer.fsync_seconds.snapshot()
+        assert timed.count == 1 and 0 <= timed.total <= elapsed
+    finally:
+        committer.close()
+
+
+@pytest.mark.parametrize("boost", [0, 1, 15])
+def test_the_fsync_thread_asks_for_its_priority_boost_itself(
+    boost: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Linux gives each thread its own nice value, so the boost is asked for on the
+    fsync thread (`fila-fsync`, a daemon); a boost of 0 asks for nothing."""
+    asked: list[tuple[int, str, bool]] = []
+
+    def raise_current_thread(levels: int) -> PriorityOutcome:
+        thread = threading.current_thread()
+        asked.append((levels, thread.name, thread.daemon))
+        return PriorityOutcome(0, -levels)
+
+    monkeypatch.setattr(committer_module, "raise_current_thread", raise_current_thread)
+
+    async def test() -> None:
+        committer = Committer(MemoryStorage(), "sync", lambda exc: None, boost)
+        try:
+            committer.put(b"k", b"v")
+            await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+        finally:
+            committer.close()
+
+    asyncio.run(test())
+    assert asked == ([(boost, "fila-fsync", True)] if boost else [])
+
+
+# -- the batch hook and its gate (cluster replication) ----------------------------
+
+
+class RecordingGate:
+    """A gate the test answers by hand; records what the committer told it."""
+
+    def __init__(self) -> None:
+        self.synced_count = 0
+        self.answer: Callable[[Exception | None], None] | None = None
+        self.replicated: Callable[[], None] | None = None
+
+    def synced(self) -> None:
+        self.synced_count += 1
+
+    def when_answered(self, callback: Callable[[Exception | None], None]) -> None:
+        self.answer = callback
+
+    def when_replicated(self, callback: Callable[[], None]) -> None:
+        self.replicated = callback
+
+
+@in_loop
+async def test_a_gated_batch_answers_writers_on_the_gates_answer_and_readies_on_replication() -> (
+    None
+):
+    """The hook sees each batch with the queue of each operation; with a gate, durable
+    work runs at the fsync, the writers wait for the gate's answer, and after-commit
+    work (what becomes deliverable) for its `replicated`."""
+    storage = MemoryStorage()
+    committer = Committer(storage, "sync", lambda exc: None)
+    seen: list[tuple[list[tuple[bytes, bytes | None]], list[str | None]]] = []
+    gates: list[RecordingGate] = []
+
+    def hook(batch: Batch, tags: list[str | None]) -> RecordingGate:
+        seen.append((list(batch.ops), list(tags)))
+        gates.append(RecordingGate())
+        return gates[-1]
+
+    committer.set_hook(hook)
+    ran: list[str] = []
+    try:
+        committer.put(b"m", b"v", "q")
+        committer.delete(b"n", "q")
+        committer.put(b"node", b"v")
+        done = committer.flushed()
+        committer.after_commit(lambda: ran.append("ready"))
+        committer.when_durable(lambda: ran.append("durable"))
+        (gate,) = await _gates_synced(gates, 1)
+        assert seen == [([(b"m", b"v"), (b"n", None), (b"node", b"v")], ["q", "q", None])]
+        assert ran == ["durable"] and not done.done()
+        assert gate.answer is not None and gate.replicated is not None
+        gate.answer(None)
+        await asyncio.wait_for(done, DEADLINE_S)
+        assert ran == ["durable"]
+        gate.replicated()
+        assert ran == ["durable", "ready"]
+
+        committer.put(b"m2", b"v", "q")
+        refused = committer.flushed()
+        _, gate = await _gates_synced(gates, 2)
+        assert gate.answer is not None
+        gate.answer(StorageError("no replica holds it"))
+        with pytest.raises(StorageError, match="no replica"):
+            await asyncio.wait_for(refused, DEADLINE_S)
+    finally:
+        committer.close()
+
+
+async def _gates_synced(gates: list[RecordingGate], count: int) -> list[RecordingGate]:
+    """The gates of the first `count` batches, once each of them is synced."""
+    await until(
+        lambda: len(gates) == count and all(g.synced_count == 1 for g in gates),
+        f"{count} batches synced",
+        DEADLINE_S,
+    )
+    return gates
+
+
+@in_loop
+async def test_replicated_operations_ride_the_next_batch_for_no_queue_and_are_not_kept() -> None:
+    """A follower's copy of another node's writes: written in order with the next
+    batch, under no queue of this node, and not kept for delivery (a record written
+    here before is no longer current)."""
+    storage = MemoryStorage()
+    committer = Committer(storage, "buffer", lambda exc: None, recent_bytes=1 << 20)
+    tags_seen: list[list[str | None]] = []
+
+    def hook(batch: Batch, tags: list[str | None]) -> None:
+        tags_seen.append(list(tags))
+
+    committer.set_hook(hook)
+    committer.put(b"a", b"old", "q")
+    committer.put(b"gone", b"v", "q")
+    await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    committer.put(b"mine", b"v", "q")
+    committer.replicate([(b"a", b"new"), (b"gone", None), (b"b", b"v")])
+    await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    assert tags_seen == [["q", "q"], ["q", None, None, None]]
+    assert (storage.get(b"a"), storage.get(b"gone"), storage.get(b"b")) == (b"new", None, b"v")
+    assert committer.recent.take(b"a") is None and committer.recent.take(b"b") is None
+    assert committer.recent.take(b"mine") == b"v"

@@ -348,7 +348,11 @@ class Committer:
     def _sync_done(self, covered: list[_Waiters], error: StorageError | None) -> None:
         self._syncing = False
         self._finish_sync(covered, error)
-        if (self._unsynced or self._soon_overdue) and self._failed is None:
+        if self._failed is not None:
+            # what was written while it ran will never be synced: its writers hear why
+            for waiters in self._take_unsynced():
+                waiters.fail(self._failed)
+        elif self._unsynced or self._soon_overdue:
             self._start_sync()
 
     def _finish_sync(self, covered: list[_Waiters], error: StorageError | None) -> None:
