@@ -20,7 +20,11 @@
 # with the same code reuses mutmut's cache there. Results: $MUTATION_DIR/results.txt
 # (every mutant not killed) and the score line printed at the end; inspect one with
 #   (cd .mutation && ../.venv/bin/mutmut show <name>)
-# MUTATION_JOBS (default 2) is how many mutants run at once.
+# MUTATION_JOBS (default 2) is how many mutants run at once. MUTATION_MINUTES bounds
+# one run: mutmut is stopped (SIGINT, as Ctrl-C) after that many minutes, keeping every
+# verdict reached, and the next run with the same code goes on from there; a long run
+# on a shared machine is a series of such chunks, e.g.
+#   MUTATION_MINUTES=14 flock /work/wt/bench.lock nice -n 19 ./scripts/mutation.sh fila/core/drr.py
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -43,6 +47,12 @@ else
 fi
 work=${MUTATION_DIR:-.mutation}
 jobs=${MUTATION_JOBS:-2}
+bound=()
+if [[ -n "${MUTATION_MINUTES:-}" ]]; then
+  # --foreground: only mutmut gets the signal; it stops its own workers and discards
+  # their unfinished verdicts, where a signal to every child could record one as killed.
+  bound=(timeout --foreground -s INT -k 120 "${MUTATION_MINUTES}m")
+fi
 
 echo "mutating: ${modules[*]}"
 echo "tests:    ${tests[*]}"
@@ -75,7 +85,7 @@ EOF
 
 cd "$work"
 status=0
-"$root/.venv/bin/mutmut" run --max-children "$jobs" || status=$?
+"${bound[@]}" "$root/.venv/bin/mutmut" run --max-children "$jobs" || status=$?
 "$root/.venv/bin/mutmut" results >results.txt || true
 "$root/.venv/bin/mutmut" export-cicd-stats >/dev/null || true
 "$root/.venv/bin/python" - <<'EOF'
@@ -94,4 +104,8 @@ print(
 )
 EOF
 echo "mutants not killed: $work/results.txt"
+if [[ ${#bound[@]} -gt 0 && $status -eq 124 ]]; then
+  echo "stopped after $MUTATION_MINUTES minutes; run again to go on"
+  status=0
+fi
 exit "$status"
