@@ -16,6 +16,7 @@ from fila.core.administration import MessageState
 from fila.core.errors import InvalidArgument
 from fila.core.queue import QueueRecord
 from fila.core.retry import Backoff
+from fila.lua.hooks import FailureDecision
 from fila.v1 import messages_pb2
 
 RETRY_AT_ONCE = 'function on_failure(m) return { action = "retry" } end'
@@ -52,6 +53,21 @@ def test_none_and_fixed_backoffs_and_refused_spellings() -> None:
     for bad in ("linear", "fixed:", "fixed:0s", "fixed:soon", "fixed:400d"):
         with pytest.raises(InvalidArgument, match="retry_backoff"):
             Backoff.parse(bad)
+
+
+def test_the_policy_retries_after_its_backoff_until_the_attempts_are_used_up() -> None:
+    """What a queue without `on_failure` decides after a failed attempt: a retry after
+    the backoff (at once for "none", or when the consumer's stream ended), and the DLQ
+    once `max_attempts` failures are reached (0: never)."""
+    half: retry.Random = lambda: 0.5  # noqa: E731 (no jitter)
+    decide = retry.policy_decision
+    assert decide(3, "fixed:5s", 2, half, wait=True) == FailureDecision("retry", 5000)
+    assert decide(3, "exponential", 2, half, wait=True) == FailureDecision("retry", 2000)
+    assert decide(3, "none", 2, half, wait=True) == FailureDecision("retry", 0)
+    assert decide(3, "fixed:5s", 2, half, wait=False) == FailureDecision("retry", 0)
+    assert decide(3, "fixed:5s", 3, half, wait=True) == FailureDecision("dlq")
+    assert decide(3, "fixed:5s", 3, half, wait=False) == FailureDecision("dlq")
+    assert decide(0, "fixed:5s", 10**6, half, wait=True) == FailureDecision("retry", 5000)
 
 
 def test_max_attempts_on_the_wire_and_in_the_record() -> None:

@@ -295,6 +295,27 @@ def test_drr_parks_a_throttled_key_and_serves_the_others() -> None:
     assert [r.fairness_key for r in iter(lambda: drr.pick(has_tokens), None)] == ["slow"] * 8
 
 
+def test_a_key_back_from_parking_is_an_ordinary_ring_key_again() -> None:
+    """`unpark_all` and `unpark` return a parked key to the ring (True only if one was
+    parked); taken out afterwards (a redrive empties it), it leaves the ring cleanly."""
+    for unpark_all in (True, False):
+        drr = Drr(quantum=1)
+        refs = [_ref(n, "slow", throttle=("t",)) for n in range(3)]
+        for ref in refs:
+            drr.push(ref, fresh=True)
+        assert drr.pick(lambda throttle_keys: False) is None
+        parked = drr.take_newly_parked()
+        assert [key.name for key in parked] == ["slow"]
+        if unpark_all:
+            assert drr.unpark_all()
+            assert not drr.unpark_all(), "nothing is parked any more"
+        else:
+            assert drr.unpark(parked)
+            assert not drr.unpark(parked), "it is no longer parked"
+        assert [ref.key for ref in drr.take(10)] == [ref.key for ref in refs]
+        assert (drr.keys, drr.ready_count, drr.pick(None)) == ({}, 0, None)
+
+
 @pytest.mark.parametrize("value", ["20,5", "0.5,1", " .25 , 2 ", "1e3,10", "+3,1."])
 def test_throttle_values_are_decimal_rate_and_burst(value: str) -> None:
     rate, burst = (float(part) for part in value.split(","))
