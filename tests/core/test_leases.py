@@ -18,6 +18,8 @@ from support.core import config, make_core, run_async
 
 from fila.core.errors import InvalidArgument, MessageNotFound, QueueNotFound, Unavailable
 from fila.storage import keys
+from fila.storage.backend import StorageError
+from fila.v1 import service_pb2
 
 MISSING_ID = "0190a1b2-c3d4-7e5f-8a9b-0c1d2e3f4a5b"
 
@@ -226,6 +228,8 @@ async def test_extend_refuses_an_id_not_leased_and_a_time_over_the_limit_and_cha
     with pytest.raises(QueueNotFound):
         await core.extend("nope", leased, 1000)
     assert core.lease_deadlines("q") == deadlines
+    limit = 7 * 24 * 3600 * 1000
+    assert await core.extend("q", leased, limit) == core.now_ms() + limit, "the limit is allowed"
 
 
 # -- the stream's end ---------------------------------------------------------------------
@@ -268,8 +272,87 @@ async def test_a_stream_consume_stream_settles_only_what_it_was_sent() -> None:
     with pytest.raises(MessageNotFound):
         await core.settle_on_stream(mine, acks=[got[0]])  # already acked
     await core.detach(mine)
-    with pytest.raises(Unavailable):
+    with pytest.raises(Unavailable, match=r"^consumer closed$"):
         await core.settle_on_stream(mine, acks=[got[1]])
+
+
+@run_async
+async def test_a_message_given_back_unsent_goes_to_a_waiting_consumer_at_once() -> None:
+    """Given back by its stream's end or by its lease's expiry while still buffered,
+    a message is ready at once: a consumer with room gets it with nothing else
+    happening, and no attempt is counted."""
+    core = make_core(queues=["q"])
+    first, second = await core.enqueue("q", 2)
+    stalled = await core.attach("q", prefetch=1)  # buffers `first`, never reads it
+    other = await core.attach("q", prefetch=1)  # buffers `second`
+    assert core.take(other) == [second]
+    await core.ack("q", second)
+    await core.detach(stalled)
+    assert core.take(other) == [first]
+    await core.detach(other)  # sent: stays leased until it expires
+    await core.advance(1000)
+    reader = await core.attach("q", prefetch=1)
+    assert core.take(reader) == [first] and core.attempts("q") == {first: 1}
+    await core.ack("q", first)
+
+    (third,) = await core.enqueue("q")
+    stalled = await core.attach("q", prefetch=1)  # buffers it, never reads it
+    waiting = await core.attach("q", prefetch=1)
+    await core.advance(1000)  # its lease expires unsent: delivered again, no attempt
+    assert core.take(stalled) + core.take(waiting) == [third]
+    assert core.attempts("q") == {third: 0}
+
+
+@run_async
+async def test_at_shutdown_streams_end_with_the_reason_and_what_they_sent_stays_leased() -> None:
+    """docs/semantics.md: a broker shutting down ends every stream; what a stream
+    never sent is ready at once, and what it sent stays leased, a StreamConsume
+    stream's too, so its client can still settle it after the restart."""
+    core = make_core(queues=["q"])
+    ids = await core.enqueue("q", 4)
+    plain = await core.attach("q", prefetch=2)
+    settling = await core.attach("q", prefetch=2, stream=True)
+    sent = []
+    for consumer in (plain, settling):  # one of its two goes out
+        frame = core.sending(consumer, 1)
+        assert frame is not None
+        sent.append(service_pb2.ConsumeResponse.FromString(frame).message.id)
+        core.sent(consumer)
+    await core.end_streams(Unavailable("broker is shutting down"))
+    for consumer in (plain, settling):
+        with pytest.raises(Unavailable, match="shutting down"):
+            core.sending(consumer)
+    assert core.depth("q") == (2, 2)
+    assert sorted(core.lease_deadlines("q")) == sorted(sent)
+    assert core.attempts("q") == dict.fromkeys(ids, 0)
+    assert len(core.stored(keys.LEASE)) == 2
+
+
+@run_async
+async def test_a_lease_that_cannot_expire_does_not_strand_the_others_due_with_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A lease whose expiry fails (here its record cannot be read) stays as it was;
+    the other leases of its millisecond still expire."""
+    core = make_core(queues=["q"])
+    broken, fine = await core.enqueue("q", 2)
+    consumer = await core.attach("q", prefetch=2, max_batch=2)
+    assert core.take(consumer) == [broken, fine]
+    await core.detach(consumer)
+    broken_key = keys.MESSAGE + bytes.fromhex(broken.replace("-", ""))
+    get = core.storage.get
+
+    def failing_get(key: bytes) -> bytes | None:
+        if key == broken_key:
+            raise StorageError("checksum mismatch")
+        return get(key)
+
+    monkeypatch.setattr(core.storage, "get", failing_get)
+    await core.advance(1000)
+    assert core.lease_deadlines("q") == {broken: core.now_ms()}
+    assert core.depth("q") == (1, 1) and core.stats("q").counters.expired == 1
+    monkeypatch.undo()
+    assert core.attempts("q") == {broken: 0, fine: 1}
 
 
 # -- what one consumer holds ----------------------------------------------------------------

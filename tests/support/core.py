@@ -161,6 +161,11 @@ class CoreBroker:
         self.broker.detach_consumer(consumer)
         await self.settle()
 
+    async def end_streams(self, reason: BrokerError) -> None:
+        """Every consume stream ends with `reason`, as at shutdown (`Broker.close`)."""
+        self.broker.end_consumers(reason)
+        await self.settle()
+
     def receive(self, consumer: Consumer) -> list[messages_pb2.Message]:
         """What the consumer's stream would send now (leases recorded), frame by frame,
         each frame written at once (the client reads)."""
