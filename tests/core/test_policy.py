@@ -176,6 +176,19 @@ async def test_on_failure_dead_letters_after_three_attempts_keeping_the_whole_me
 
 
 @run_async
+async def test_a_nack_on_a_stream_consume_stream_runs_on_failure_like_a_nack_call() -> None:
+    core = make_core()
+    await core.create_queue("q", on_failure='function on_failure(m) return { action = "dlq" } end')
+    ids = await core.enqueue("q", 2)
+    consumer = await core.attach("q", prefetch=2, max_batch=2, stream=True)
+    assert core.take(consumer) == ids
+    await core.settle_on_stream(consumer, nacks=[(message_id, "boom") for message_id in ids])
+    assert sorted(core.attempts("q.dlq")) == sorted(ids) and core.depth("q") == (0, 0)
+    assert core.stats("q").counters.nacked == 2
+    assert core.hook_counters("q")["on_failure"].ok == 2
+
+
+@run_async
 async def test_a_failing_on_failure_retries_at_once_and_is_counted() -> None:
     core = make_core()
     await core.create_queue("q", on_failure="function on_failure(m) return { action = 7 } end")

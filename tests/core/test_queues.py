@@ -24,6 +24,7 @@ from fila.core.errors import (
     Unavailable,
 )
 from fila.storage import keys
+from fila.storage.backend import Batch
 
 TENANT = "function on_enqueue(m) return { fairness_key = m.headers.tenant } end"
 
@@ -93,6 +94,36 @@ async def test_deleting_a_queue_deletes_its_dlq_its_messages_and_its_leases() ->
     assert core.stored(keys.LEASE) == [] and core.stored(keys.DELAY) == []
     await core.create_queue("gone")
     assert core.depth("gone") == (0, 0) and core.depth("gone.dlq") == (0, 0)
+
+
+@run_async
+async def test_every_write_of_a_queues_messages_leases_and_delays_names_the_queue() -> None:
+    """What replication goes by (`Committer.put`/`delete`'s queue): each record of a
+    message, its lease or its delay is written and deleted under its queue's name,
+    through every way it changes, the queue's deletion included."""
+    core = make_core(queues=["q", "other"])
+    writes: list[tuple[bytes, str | None]] = []
+
+    def hook(batch: Batch, tags: list[str | None]) -> None:
+        writes.extend((key, tag) for (key, _), tag in zip(batch.ops, tags, strict=True))
+
+    core.committer.set_hook(hook)
+    (elsewhere,) = await core.enqueue("other")
+    extended, nacked = await core.enqueue("q", 2)
+    await core.enqueue("q", delay_ms=10)
+    consumer = await core.attach("q", prefetch=2, max_batch=2)
+    assert core.take(consumer) == [extended, nacked]
+    await core.extend("q", extended, 5000)
+    await core.nack("q", nacked)
+    await core.advance(10)
+    await core.delete_queue("q")
+    elsewhere_raw = bytes.fromhex(elsewhere.replace("-", ""))
+    records = [(k, tag) for k, tag in writes if k[:1] in (keys.MESSAGE, keys.LEASE, keys.DELAY)]
+    assert records and all(
+        tag == ("other" if elsewhere_raw in key else "q") for key, tag in records
+    ), records
+    kinds = {(key[:1], tag) for key, tag in records}
+    assert {(keys.LEASE, "q"), (keys.DELAY, "q"), (keys.MESSAGE, "other")} <= kinds
 
 
 @run_async
