@@ -176,6 +176,17 @@ def test_expiry_follows_the_policy_and_a_closed_stream_returns_at_once() -> None
         await core.advance(1000)  # attempt 2 of 2: dead-lettered
         assert core.broker.queues["jobs.dlq"].depth == 1
 
+        # a StreamConsume stream that ends: its sent message is back at once, attempt 1
+        await core.detach(consumer)
+        (returned,) = await core.enqueue("jobs")
+        stream = await core.attach("jobs", stream=True)
+        assert core.take(stream) == [returned]
+        await core.detach(stream)
+        assert core.attempts("jobs") == {returned: 1}
+        assert core.take(await core.attach("jobs")) == [returned], "no backoff wait"
+        stored = await _stored(core, returned)
+        assert stored.metadata.last_error == "consumer stream ended"
+
     run(scenario())
 
 

@@ -173,20 +173,28 @@ async def test_buffer_mode_answers_after_the_wal_write_without_a_sync() -> None:
         assert storage.writes_at_sync == []
 
 
-@in_loop
-async def test_flush_now_writes_and_fsyncs_what_is_pending_and_answers_its_writers() -> None:
-    """Recovery and shutdown commit synchronously: everything pending is written and
-    fsynced before `flush_now` returns, and the writers waiting on it are answered."""
-    storage = MemoryStorage()
-    committer = Committer(storage, "sync", lambda exc: None)
-    try:
-        committer.put(b"k", b"v")
-        done = committer.flushed()
-        committer.flush_now()
-        assert (storage.get(b"k"), storage.sync_count) == (b"v", 1)
-        await asyncio.wait_for(done, DEADLINE_S)
-    finally:
-        committer.close()
+@pytest.mark.parametrize(("mode", "syncs"), [("sync", 1), ("buffer", 0)])
+def test_flush_now_writes_and_fsyncs_what_is_pending_and_answers_its_writers(
+    mode: PersistMode, syncs: int
+) -> None:
+    """Recovery and shutdown commit synchronously: everything pending is written (and
+    in sync mode fsynced, once) before `flush_now` returns, and the writers waiting on
+    it are answered by then."""
+
+    async def test() -> None:
+        storage = MemoryStorage()
+        committer = Committer(storage, mode, lambda exc: None)
+        try:
+            committer.put(b"k", b"v")
+            done = committer.flushed()
+            committer.flush_now()
+            assert (storage.get(b"k"), storage.sync_count, done.done()) == (b"v", syncs, True)
+            await asyncio.sleep(0)
+            assert storage.sync_count == syncs, "no sync of its own in the background"
+        finally:
+            committer.close()
+
+    asyncio.run(test())
 
 
 # -- sync_soon: writes nobody waits on ride the next sync ----------------------------

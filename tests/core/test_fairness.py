@@ -224,6 +224,20 @@ async def test_a_key_that_runs_dry_leaves_the_ring_and_comes_back_with_no_defici
 
 
 @run_async
+async def test_after_a_purge_keys_take_turns_in_the_order_they_become_ready() -> None:
+    """A purge empties the DRR mid-turn; it starts afresh, the first key ready first."""
+    core = _core()
+    await _keyed_queue(core)
+    await _backlog(core, {"a": (3, 4), "b": (3, 4)})
+    consumer = await core.attach("q", prefetch=1, max_batch=1)
+    (first,) = core.receive(consumer)  # a's turn is open, with deficit left
+    assert await core.purge("q") == 7
+    await core.ack("q", first.id)
+    await _backlog(core, {"b": (1, 2), "a": (1, 2)})
+    assert "".join(m.metadata.fairness_key for m in await _consume(core, consumer, 4)) == "baba"
+
+
+@run_async
 async def test_a_retried_message_goes_back_to_the_front_of_its_key() -> None:
     core = _core()
     await _keyed_queue(core)

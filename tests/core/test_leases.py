@@ -274,6 +274,8 @@ async def test_a_stream_consume_stream_settles_only_what_it_was_sent() -> None:
     await core.detach(mine)
     with pytest.raises(Unavailable, match=r"^consumer closed$"):
         await core.settle_on_stream(mine, acks=[got[1]])
+    with pytest.raises(Unavailable, match=r"^consumer closed$"):
+        core.sending(mine)  # its stream is closed: nothing more goes out on it
 
 
 @run_async
@@ -294,6 +296,7 @@ async def test_a_message_given_back_unsent_goes_to_a_waiting_consumer_at_once() 
     reader = await core.attach("q", prefetch=1)
     assert core.take(reader) == [first] and core.attempts("q") == {first: 1}
     await core.ack("q", first)
+    await core.detach(reader)
 
     (third,) = await core.enqueue("q")
     stalled = await core.attach("q", prefetch=1)  # buffers it, never reads it
@@ -301,6 +304,13 @@ async def test_a_message_given_back_unsent_goes_to_a_waiting_consumer_at_once() 
     await core.advance(1000)  # its lease expires unsent: delivered again, no attempt
     assert core.take(stalled) + core.take(waiting) == [third]
     assert core.attempts("q") == {third: 0}
+    await core.detach(waiting)
+    await core.ack("q", third)
+
+    (fourth,) = await core.enqueue("q")  # the stalled stream's only: leased to it again,
+    await core.advance(1000)  # so its buffer holds the ended lease and the new one
+    await core.detach(stalled)
+    assert core.depth("q") == (1, 0) and core.attempts("q") == {fourth: 0}
 
 
 @run_async

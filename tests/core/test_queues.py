@@ -109,12 +109,13 @@ async def test_every_write_of_a_queues_messages_leases_and_delays_names_the_queu
 
     core.committer.set_hook(hook)
     (elsewhere,) = await core.enqueue("other")
-    extended, nacked = await core.enqueue("q", 2)
+    extended, nacked, acked = await core.enqueue("q", 3)
     await core.enqueue("q", delay_ms=10)
-    consumer = await core.attach("q", prefetch=2, max_batch=2)
-    assert core.take(consumer) == [extended, nacked]
+    consumer = await core.attach("q", prefetch=3, max_batch=3)
+    assert core.take(consumer) == [extended, nacked, acked]
     await core.extend("q", extended, 5000)
     await core.nack("q", nacked)
+    await core.ack("q", acked)
     await core.advance(10)
     await core.delete_queue("q")
     elsewhere_raw = bytes.fromhex(elsewhere.replace("-", ""))

@@ -95,6 +95,19 @@ async def test_a_bucket_of_burst_1_paces_its_key_at_its_rate() -> None:
 
 
 @run_async
+async def test_a_bucket_of_1000_per_second_lets_its_key_out_every_millisecond() -> None:
+    """A parked key wakes in the first millisecond its token is there, not the one after;
+    each time it is held back counts in `throttled`."""
+    core = make_core()
+    await _throttled(core, t="1000,1")
+    await _backlog(core, 30, "t")
+    consumer = await core.attach("q", prefetch=100, max_batch=100)
+    times = [ms for ms, _ in await _received_each_ms(core, consumer, 20)]
+    assert times == list(range(21))
+    assert core.stats("q").counters.throttled == 21
+
+
+@run_async
 async def test_a_throttled_key_does_not_hold_back_keys_that_are_not_throttled() -> None:
     core = make_core()
     await _throttled(core, slow="2,2")
@@ -314,6 +327,26 @@ def test_a_key_back_from_parking_is_an_ordinary_ring_key_again() -> None:
             assert not drr.unpark(parked), "it is no longer parked"
         assert [ref.key for ref in drr.take(10)] == [ref.key for ref in refs]
         assert (drr.keys, drr.ready_count, drr.pick(None)) == ({}, 0, None)
+
+
+def test_drr_take_and_upcoming_reach_the_parked_keys_after_the_ring() -> None:
+    """What redrive relies on: `upcoming` lists the ready messages in the order `take`
+    takes them, parked keys last (in the order they were parked), and `take` stops at
+    its limit; a key it empties is gone, parked or not, with no wake-up left to ask for."""
+    drr = Drr(quantum=1)
+    parked = [_ref(n, f"p{n % 2}", throttle=("t",)) for n in range(4)]  # p0, p1, p0, p1
+    for ref in parked:
+        drr.push(ref, fresh=True)
+    assert drr.pick(lambda throttle_keys: False) is None  # p0 and p1 park
+    free = [_ref(10 + n, "free") for n in range(2)]
+    for ref in free:
+        drr.push(ref, fresh=True)
+    order = [ref.key for ref in free + parked[0::2] + parked[1::2]]
+    assert [ref.key for ref in drr.upcoming()] == order
+    assert [ref.key for ref in drr.take(3)] == order[:3]
+    assert [ref.key for ref in drr.upcoming()] == order[3:]
+    assert [ref.key for ref in drr.take(10)] == order[3:]
+    assert (drr.keys, drr.ready_count, drr.take_newly_parked()) == ({}, 0, [])
 
 
 @pytest.mark.parametrize("value", ["20,5", "0.5,1", " .25 , 2 ", "1e3,10", "+3,1."])
