@@ -65,9 +65,13 @@ class CoreBroker:
             await asyncio.sleep(0)  # yield: after-commit callbacks and the pump are call_soon
 
     async def advance(self, ms: int) -> None:
-        """Moves time and runs every timer that fell due, then settles."""
+        """Moves time and runs every timer that fell due, then settles. A timer callback
+        that raises fails the test: the timers would log it and carry on, hiding it."""
+        timers = self.broker.timers
+        failures = timers.failures
         self.clock.advance(ms)
-        self.broker.timers.run_due()
+        timers.run_due()
+        assert timers.failures == failures, "a timer callback failed (see the log)"
         await self.settle()
 
     def now_ms(self) -> int:
