@@ -12,9 +12,10 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 
 import pytest
-from support.core import CoreBroker, make_core, restarted, run_async
+from support.core import CoreBroker, config, make_core, restarted, run_async
 
 from fila.core.errors import ConfigKeyNotFound, MessageNotFound
+from fila.core.key_order import SORTED_FROM
 from fila.storage import keys
 
 HOUR_MS = 3_600_000
@@ -199,6 +200,23 @@ async def test_a_lease_comes_back_leased_until_its_deadline_and_then_expires() -
     await core.advance(1)
     (again,) = core.receive(consumer)
     assert (again.id, again.metadata.attempt_count) == (message_id, 1)
+
+
+@run_async
+async def test_thousands_of_leases_come_back_leased_and_peek_lists_them_in_id_order() -> None:
+    """Past `SORTED_FROM` leases a queue keeps them in id order as they are restored,
+    for peek, instead of sorting them on each call."""
+    count = SORTED_FROM + 10
+    core = make_core(config=config(f"[scheduler]\nmax_prefetch = {count}\n"), queues=["q"])
+    ids = await core.enqueue("q", count)
+    consumer = await core.attach("q", prefetch=count, max_batch=count)
+    assert len(core.take(consumer)) == count
+    after, _ = restarted(core)
+    await after.settle()
+    assert after.depth("q") == (0, count)
+    first, _ = after.peek("q")
+    later, _ = after.peek("q", after_id=ids[-6])
+    assert [m.id for m in first] == ids[:1000] and [m.id for m in later] == ids[-5:]
 
 
 @run_async
