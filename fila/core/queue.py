@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterable, Iterator, ValuesView
+from collections.abc import Callable, Iterator, ValuesView
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from fila.core.consumers import ConsumerRing
@@ -124,9 +124,14 @@ class DelayedMessages:
     def values(self) -> ValuesView[MessageRef]:
         return self._refs.values()
 
-    def clear(self) -> None:
-        self._refs.clear()
-        self._order.cleared()
+    def drain(self) -> Iterator[MessageRef]:
+        """Takes the messages out one at a time as the caller iterates, so that a
+        million of them are freed along the way rather than all in one turn at the end."""
+        refs, order = self._refs, self._order
+        while refs:
+            key, ref = refs.popitem()
+            order.removed(key)
+            yield ref
 
     def iter_from(self, after: bytes) -> Iterator[MessageRef]:
         """The delayed messages with a key above `after`, in key (id) order (do not
@@ -188,12 +193,13 @@ class Queue:
     def name(self) -> str:
         return self.record.name
 
-    def detach_delayed(self) -> Iterable[MessageRef]:
+    def detach_delayed(self) -> Iterator[MessageRef]:
         """Takes every delayed message out at once, in O(1) (see `fila.core.removal`);
-        their timers find them gone (`CoreState.release_delayed`)."""
-        detached = self.delayed.values()
+        their timers find them gone (`CoreState.release_delayed`). The detached ones
+        are handed over one by one, each let go as the next is asked for."""
+        detached = self.delayed
         self.delayed = DelayedMessages()
-        return detached
+        return detached.drain()
 
     @property
     def dlq_name(self) -> str | None:
