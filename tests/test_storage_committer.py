@@ -22,6 +22,7 @@ import pytest
 
 from fila.config import PersistMode
 from fila.storage import committer as committer_module
+from fila.storage import keys
 from fila.storage.backend import Batch, MemoryStorage, StorageError
 from fila.storage.committer import Committer
 from fila.storage.thread_priority import PriorityOutcome
@@ -499,14 +500,15 @@ async def test_replicated_operations_ride_the_next_batch_for_no_queue_and_are_no
     def hook(batch: Batch, tags: list[str | None]) -> None:
         tags_seen.append(list(tags))
 
+    a, gone, b, mine = (keys.MESSAGE + name for name in (b"a", b"gone", b"b", b"mine"))
     committer.set_hook(hook)
-    committer.put(b"a", b"old", "q")
-    committer.put(b"gone", b"v", "q")
+    committer.put(a, b"old", "q")
+    committer.put(gone, b"v", "q")
     await asyncio.wait_for(committer.flushed(), DEADLINE_S)
-    committer.put(b"mine", b"v", "q")
-    committer.replicate([(b"a", b"new"), (b"gone", None), (b"b", b"v")])
+    committer.put(mine, b"v", "q")
+    committer.replicate([(a, b"new"), (gone, None), (b, b"v")])
     await asyncio.wait_for(committer.flushed(), DEADLINE_S)
     assert tags_seen == [["q", "q"], ["q", None, None, None]]
-    assert (storage.get(b"a"), storage.get(b"gone"), storage.get(b"b")) == (b"new", None, b"v")
-    assert committer.recent.take(b"a") is None and committer.recent.take(b"b") is None
-    assert committer.recent.take(b"mine") == b"v"
+    assert (storage.get(a), storage.get(gone), storage.get(b)) == (b"new", None, b"v")
+    assert committer.recent.take(a) is None and committer.recent.take(b) is None
+    assert committer.recent.take(mine) == b"v"

@@ -186,6 +186,22 @@ async def test_a_keys_weight_is_the_weight_of_its_most_recent_message() -> None:
 
 
 @run_async
+async def test_dead_lettering_does_not_set_the_weight_of_the_key_in_the_dlq() -> None:
+    """Only an enqueue sets a key's weight: a message dead-lettered joins its key in
+    the DLQ without changing that key's weight (the first one there set it)."""
+    core = _core()
+    await core.create_queue("q", on_enqueue=KEY_AND_WEIGHT, max_attempts=1)
+    consumer = await core.attach("q", prefetch=2, max_batch=2)
+    (light,) = await core.enqueue_each("q", [{"k": "a", "w": "1"}])
+    assert core.take(consumer) == [light]
+    (heavy,) = await core.enqueue_each("q", [{"k": "a", "w": "3"}])  # a now weighs 3
+    assert core.take(consumer) == [heavy]
+    await core.nack("q", light)  # first into the DLQ: its key there weighs 1
+    await core.nack("q", heavy)
+    assert [(k.key, k.pending, k.weight) for k in core.stats("q.dlq").per_key] == [("a", 2, 1)]
+
+
+@run_async
 async def test_stats_list_each_ready_key_with_its_pending_count_weight_and_deficit() -> None:
     core = _core()
     await _keyed_queue(core)

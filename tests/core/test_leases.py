@@ -117,6 +117,25 @@ async def test_a_nack_with_no_backoff_makes_the_message_ready_at_once_with_one_m
 
 
 @run_async
+async def test_a_nacks_error_is_kept_whole_up_to_4_kib_and_cut_on_a_character_past_it() -> None:
+    core = make_core(queues=["q"])
+    e_acute = "\u00e9"  # two bytes in UTF-8
+    errors = ["e" * 4096, "x" + e_acute * 3000, "xy" + e_acute * 3000]
+    ids = await core.enqueue("q", 3)
+    consumer = await core.attach("q", prefetch=3, max_batch=3)
+    assert core.take(consumer) == ids
+    for message_id, error in zip(ids, errors, strict=True):
+        await core.nack("q", message_id, error=error)
+    kept = {m.id: m.metadata.last_error for m in core.peek("q")[0]}
+    # 4,056 bytes kept (the limit less 40 for the note), a character cut in two dropped
+    assert kept == {
+        ids[0]: errors[0],
+        ids[1]: "x" + e_acute * 2027 + "... [truncated, 6001 bytes in all]",
+        ids[2]: "xy" + e_acute * 2027 + "... [truncated, 6002 bytes in all]",
+    }
+
+
+@run_async
 async def test_a_nack_of_an_id_that_is_not_leased_is_message_not_found_and_changes_nothing() -> (
     None
 ):

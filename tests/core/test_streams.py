@@ -83,6 +83,20 @@ async def test_settlements_on_a_stream_are_made_durable_without_a_reply() -> Non
 
 
 @run_async
+async def test_a_frame_leaves_out_a_delivery_whose_lease_ended_while_it_was_buffered() -> None:
+    """A buffered delivery whose lease ended (here it expired unsent, and the message
+    was leased again into the same buffer) is not sent; the rest of the frame is."""
+    core = make_core(queues=["q"])  # visibility timeout 1000 ms
+    first, second = await core.enqueue("q", 2)
+    consumer = await core.attach("q", prefetch=3, max_batch=3)
+    await core.extend("q", second, 5000)
+    await core.advance(1000)  # `first` expires unsent and is buffered again
+    assert core.unsettled(consumer) == 2
+    assert [m.id for m in core.receive(consumer)] == [second, first]
+    assert sorted(core.lease_deadlines("q")) == sorted([first, second])
+
+
+@run_async
 async def test_delivered_counts_the_messages_sent_not_those_only_buffered() -> None:
     core = make_core(queues=["q"])
     await core.enqueue("q", 5)

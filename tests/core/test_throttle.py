@@ -176,6 +176,21 @@ async def test_removing_a_throttle_releases_its_backlog_at_once() -> None:
 
 
 @run_async
+async def test_after_a_purge_a_throttled_key_parks_and_wakes_as_before() -> None:
+    """The purged key's wake-up finds it gone; a new backlog of the key is paced anew."""
+    core = make_core()
+    await _throttled(core, t="1,1")
+    await _backlog(core, 3, "t")
+    consumer = await core.attach("q", prefetch=10, max_batch=10)
+    assert len(core.receive(consumer)) == 1  # the burst; the key parks, to wake in 1 s
+    assert await core.purge("q") == 2
+    await core.advance(1000)
+    await _backlog(core, 3, "t")
+    times = [ms for ms, _ in await _received_each_ms(core, consumer, 2000)]
+    assert times == [0, 1000, 2000]
+
+
+@run_async
 async def test_a_message_with_two_throttle_keys_needs_a_token_from_each() -> None:
     core = make_core()
     await _throttled(core, a="100,2", b="2,2")
