@@ -25,6 +25,11 @@
 # verdict reached, and the next run with the same code goes on from there; a long run
 # on a shared machine is a series of such chunks, e.g.
 #   MUTATION_MINUTES=14 flock /work/wt/bench.lock nice -n 19 ./scripts/mutation.sh fila/core/drr.py
+# A verdict stands until the function's code changes, also when tests are added since,
+# and mutmut maps tests to the functions they call once, by test name, so a test that
+# was changed keeps the functions it called before. After writing tests,
+# MUTATION_RERUN=1 maps every test again and judges again every mutant not killed
+# (survived, or no test) among the given modules.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
@@ -84,6 +89,19 @@ pytest_add_cli_args = ["-p", "no:cacheprovider", "-q", "--timeout=150", "-o", "t
 EOF
 
 cd "$work"
+if [[ -n "${MUTATION_RERUN:-}" ]]; then
+  # which test calls what is collected again, and their verdicts are cleared
+  rm -f mutants/mutmut-stats.json
+  "$root/.venv/bin/python" - <<'EOF'
+from mutmut.__main__ import _reset_mutant_results
+from mutmut.stats import status_by_exit_code
+
+count = _reset_mutant_results(
+    lambda key, code: status_by_exit_code[code] in ("survived", "no tests")
+)
+print(f"judging again: {count} mutants not killed")
+EOF
+fi
 status=0
 "${bound[@]}" "$root/.venv/bin/mutmut" run --max-children "$jobs" || status=$?
 "$root/.venv/bin/mutmut" results >results.txt || true
