@@ -176,6 +176,21 @@ async def test_removing_a_throttle_releases_its_backlog_at_once() -> None:
 
 
 @run_async
+async def test_a_key_parked_while_the_consumers_fill_up_still_wakes_on_time() -> None:
+    """The pump parks a throttled key, serves another key until its consumers are
+    full, and still schedules the parked key's wake-up for when its token is there."""
+    core = make_core()
+    await _throttled(core, t="10,1")
+    await _backlog(core, 3, "t", fk="slow")
+    await _backlog(core, 300, "", fk="free")  # keeps the consumer full for 300 ms
+    consumer = await core.attach("q", prefetch=1, max_batch=1)
+    got = await _received_each_ms(core, consumer, 250)
+    slow = [ms for ms, key in got if key == "slow"]
+    assert slow[0] == 0 and len(slow) == 3
+    _assert_paced(slow[1:], 10)
+
+
+@run_async
 async def test_after_a_purge_a_throttled_key_parks_and_wakes_as_before() -> None:
     """The purged key's wake-up finds it gone; a new backlog of the key is paced anew."""
     core = make_core()
