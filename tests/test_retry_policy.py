@@ -50,9 +50,17 @@ def test_none_and_fixed_backoffs_and_refused_spellings() -> None:
         30_000,
     )
     assert str(Backoff.parse("FIXED:1500")) == "fixed:1s500ms"
-    for bad in ("linear", "fixed:", "fixed:0s", "fixed:soon", "fixed:400d"):
+    assert Backoff.parse("fixed:1ms").fixed_ms == 1, "the shortest fixed wait"
+    assert Backoff.parse("fixed:366d").fixed_ms == retry.MAX_FIXED_MS, "the longest"
+    for bad in ("linear", "fixed:", "fixed:0s", "fixed:soon", "fixed:400d", "fixed:367d"):
         with pytest.raises(InvalidArgument, match="retry_backoff"):
             Backoff.parse(bad)
+    with pytest.raises(InvalidArgument) as refused:
+        Backoff.parse("linear")
+    assert str(refused.value) == (
+        'retry_backoff "linear" is not "exponential", "none" or "fixed:<duration>" '
+        '(e.g. "fixed:30s")'
+    )
 
 
 def test_the_policy_retries_after_its_backoff_until_the_attempts_are_used_up() -> None:
