@@ -24,7 +24,8 @@
 # one run: mutmut is stopped (SIGINT, as Ctrl-C) after that many minutes, keeping every
 # verdict reached, and the next run with the same code goes on from there; a long run
 # on a shared machine is a series of such chunks, e.g.
-#   MUTATION_MINUTES=14 flock /work/wt/bench.lock nice -n 19 ./scripts/mutation.sh fila/core/drr.py
+#   MUTATION_MINUTES=14 nice -n 19 ./scripts/mutation.sh fila/core/drr.py
+# (each under the machine's benchmark lock, if it has one: `flock <lock file> ...`).
 # A verdict stands until the function's code changes, also when tests are added since,
 # and mutmut maps tests to the functions they call once, by test name, so a test that
 # was changed keeps the functions it called before. After writing tests,
@@ -93,12 +94,18 @@ if [[ -n "${MUTATION_RERUN:-}" ]]; then
   # which test calls what is collected again, and their verdicts are cleared
   rm -f mutants/mutmut-stats.json
   "$root/.venv/bin/python" - <<'EOF'
-from mutmut.__main__ import _reset_mutant_results
-from mutmut.stats import status_by_exit_code
+import json
+from pathlib import Path
 
-count = _reset_mutant_results(
-    lambda key, code: status_by_exit_code[code] in ("survived", "no tests")
-)
+count = 0
+for meta in Path("mutants").rglob("*.meta"):
+    data = json.loads(meta.read_text())
+    codes = data["exit_code_by_key"]
+    for key, code in codes.items():
+        if code in (0, 5, 33):  # mutmut's exit codes for survived and no tests
+            codes[key] = None
+            count += 1
+    meta.write_text(json.dumps(data))
 print(f"judging again: {count} mutants not killed")
 EOF
 fi

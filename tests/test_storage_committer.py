@@ -136,6 +136,43 @@ async def test_a_failed_sync_fails_every_waiter_and_stops_the_broker() -> None:
 
 
 @in_loop
+async def test_a_failed_wal_write_fails_its_writers_and_stops_the_broker() -> None:
+    failures: list[StorageError] = []
+    with gated_committer(on_failure=failures.append) as (storage, committer):
+        error = StorageError("WAL write failed: disk full")
+
+        def write(batch: Batch) -> None:
+            raise error
+
+        storage.write = write  # type: ignore[method-assign]
+        committer.put(b"k", b"v")
+        with pytest.raises(StorageError, match="disk full"):
+            await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+        assert failures == [error] and committer.batches_written == 0
+        with pytest.raises(StorageError, match="disk full"):
+            await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+
+
+@in_loop
+async def test_batches_and_operations_written_are_counted_once_each() -> None:
+    """What the storage metrics report: one batch per loop turn with writes (a turn
+    with only after-commit work writes none), and every put and delete in it."""
+    storage = MemoryStorage()
+    committer = Committer(storage, "buffer", lambda exc: None)
+    committer.put(b"a", b"v")
+    committer.put(b"b", b"v")
+    committer.delete(b"a")
+    await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    ran: list[bool] = []
+    committer.after_commit(lambda: ran.append(True))
+    await until(lambda: ran, "the after-commit work ran", DEADLINE_S)
+    committer.put(b"c", b"v")
+    committer.delete(b"b")
+    await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+    assert (committer.batches_written, committer.ops_written, storage.writes) == (2, 5, 2)
+
+
+@in_loop
 async def test_close_waits_for_the_sync_in_flight() -> None:
     storage = GatedStorage()
     committer = Committer(storage, "sync", lambda exc: None)
