@@ -72,6 +72,8 @@ MAX_PEEK = 1000
 PEEK_SCAN = 10_000
 # Fairness keys a peek looks at per loop turn for the first ready messages of its page.
 PEEK_KEYS_PER_TURN = 500
+# Fairness keys GetStats weighs per loop turn for the largest it lists.
+STATS_KEYS_PER_TURN = 10_000
 # A redrive chunk (one turn of the event loop) ends at whichever comes first.
 REDRIVE_CHUNK_MESSAGES = 1000
 REDRIVE_CHUNK_BYTES = 4 * 1024 * 1024
@@ -347,11 +349,26 @@ class Administration:
         return updated, self.state.committer.flushed()
 
     def stats(self, name: str) -> QueueStats:
+        """A queue's stats, at once: O(fairness keys) in this turn (see `stats_in_turns`)."""
         queue = self.state.queue(name)
+        return self._stats(queue, _largest(queue.drr.keys.values()))
+
+    async def stats_in_turns(self, name: str) -> QueueStats:
+        """`stats` for GetStats: the fairness keys to list (the largest) are weighed
+        `STATS_KEYS_PER_TURN` per loop turn, so a queue of a million keys does not hold
+        the loop. A key that empties meanwhile is not listed."""
+        queue = self.state.queue(name)
+        keys = list(queue.drr.keys.values())
+        largest: list[FairnessKey] = []
+        for start in range(0, len(keys), STATS_KEYS_PER_TURN):
+            if start:
+                await asyncio.sleep(0)  # others are served between the slices
+            largest = _largest(itertools.chain(largest, keys[start : start + STATS_KEYS_PER_TURN]))
+        queue = self.state.queue(name)  # (deleted meanwhile: NOT_FOUND)
+        return self._stats(queue, [key for key in largest if key])
+
+    def _stats(self, queue: Queue, shown: Iterable[FairnessKey]) -> QueueStats:
         drr_keys = queue.drr.keys
-        shown = list(drr_keys.values())
-        if len(shown) > MAX_LISTED_KEYS:
-            shown = heapq.nlargest(MAX_LISTED_KEYS, shown, key=len)
         deliveries = queue.key_deliveries
         per_key = sorted(
             (
@@ -779,3 +796,8 @@ def _detach_messages(queue: Queue) -> removal.Detached:
     committing = list(queue.limbo.values())
     queue.limbo.clear()  # cleared in place: their after-commit callbacks hold this dict
     return removal.Detached(queue.name, queue.drr.detach(), queue.detach_delayed(), committing)
+
+
+def _largest(keys: Iterable[FairnessKey]) -> list[FairnessKey]:
+    """The `MAX_LISTED_KEYS` keys holding the most ready messages (all, if fewer)."""
+    return heapq.nlargest(MAX_LISTED_KEYS, keys, key=len)

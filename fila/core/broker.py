@@ -112,6 +112,7 @@ class Broker:
         self.get_queue = admin.get_queue
         self.update_queue = admin.update_queue
         self.stats = admin.stats
+        self.stats_in_turns = admin.stats_in_turns
         self.set_config = admin.set_config
         # Config that arrives already decided (cluster mode: mirrored from etcd): an
         # invalid throttle value is logged and ignored, as at recovery.

@@ -116,7 +116,7 @@ class FilaAdmin:
     async def get_stats(
         self, request: admin_pb2.GetStatsRequest, context: Context
     ) -> admin_pb2.GetStatsResponse:
-        stats = self._broker.stats(request.queue)
+        stats = await self._broker.stats_in_turns(request.queue)
         counters = stats.counters
         response = admin_pb2.GetStatsResponse(
             depth=stats.depth,

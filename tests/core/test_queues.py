@@ -14,7 +14,7 @@ import asyncio
 import pytest
 from support.core import CoreBroker, config, make_core, restarted, run_async
 
-from fila.core import removal
+from fila.core import administration, removal
 from fila.core.errors import (
     InvalidArgument,
     MessageNotFound,
@@ -319,6 +319,31 @@ async def test_a_deletion_cut_short_by_a_shutdown_leaves_the_queue_with_what_it_
 
 
 # -- stats ------------------------------------------------------------------------------------
+
+
+@run_async
+async def test_stats_over_many_fairness_keys_weigh_them_a_slice_per_turn_and_list_the_largest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Issue 29: GetStats over a million keys must not hold the loop.
+    monkeypatch.setattr(administration, "STATS_KEYS_PER_TURN", 10)
+    monkeypatch.setattr(administration, "MAX_LISTED_KEYS", 3)
+    core = make_core()
+    await core.create_queue("q", on_enqueue=TENANT)
+    # key k{n} holds 35 - n messages: the largest three, k0 to k2, are in the first slice
+    await core.enqueue_each("q", [{"tenant": f"k{n}"} for n in range(35) for _ in range(35 - n)])
+    at_once = core.stats("q")
+    task = asyncio.ensure_future(core.broker.stats_in_turns("q"))
+    turns = 0
+    while not task.done():
+        await asyncio.sleep(0)
+        turns += 1
+    in_turns = task.result()
+    assert turns >= 4, "the 35 keys were weighed in one turn"
+    assert [k.key for k in in_turns.per_key] == ["k0", "k1", "k2"]
+    assert in_turns.per_key == at_once.per_key
+    assert in_turns.active_fairness_keys == 35
+
 
 
 @run_async
