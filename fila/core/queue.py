@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Callable, Iterator, ValuesView
+from collections.abc import Callable, Iterator
 from dataclasses import MISSING, asdict, dataclass, fields
 
 from fila.core.consumers import ConsumerRing
@@ -120,9 +120,6 @@ class DelayedMessages:
     def __delitem__(self, key: bytes) -> None:
         del self._refs[key]
         self._order.removed(key)
-
-    def values(self) -> ValuesView[MessageRef]:
-        return self._refs.values()
 
     def drain(self) -> Iterator[MessageRef]:
         """Takes the messages out one at a time as the caller iterates, so that a
