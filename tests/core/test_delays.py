@@ -11,7 +11,10 @@ restart (tests/core/test_recovery.py).
 from __future__ import annotations
 
 import asyncio
+import itertools
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from support.core import ManualClock, make_core, run_async
 
 from fila.core import timers as timers_module
@@ -184,3 +187,86 @@ def test_timers_fire_in_time_order_only_when_due() -> None:
     timers.run_due()
     assert fired == ["a", "a2", "b", "c"]
     assert len(timers) == 0
+
+
+# -- the timer heap's sweep of dead entries --------------------------------------------
+
+
+@run_async
+async def test_the_sweep_of_dead_timer_entries_moves_a_slice_per_loop_turn() -> None:
+    # Issue 29: the heap's cleanup used to rebuild it in one turn, O(entries) (369 ms
+    # for a million); now it moves SWEEP_SLICE entries a turn, others served between.
+    clock = ManualClock()
+    dead: set[int] = set()
+    timers = Timers(clock, lambda n: n not in dead)
+    total = timers_module._MIN_SWEEP + 1
+    later = clock.now_ms() + 60_000
+    for n in range(total - 1):
+        timers.at(later, lambda _: None, n)
+        dead.add(n)  # acked at once: its lease entry is dead
+    timers.at(later, lambda _: None, "live")
+    assert timers.sweeping
+    left = [len(timers)]
+    while timers.sweeping:
+        await asyncio.sleep(0)  # one turn
+        left.append(len(timers))
+    moved = [a - b for a, b in itertools.pairwise(left)]
+    assert max(moved) <= timers_module.SWEEP_SLICE
+    assert len([m for m in moved if m]) >= total // timers_module.SWEEP_SLICE
+    assert len(timers) == 1  # only the live entry is left
+    timers.close()
+
+
+@given(
+    steps=st.lists(
+        st.one_of(
+            st.tuples(st.just("at"), st.integers(0, 50)),
+            st.tuples(st.just("end"), st.integers(0, 200)),
+            st.tuples(st.just("advance"), st.integers(0, 30)),
+        ),
+        max_size=200,
+    )
+)
+@settings(max_examples=200, deadline=None)
+def test_timers_fire_every_live_entry_once_in_order_through_sweeps(
+    steps: list[tuple[str, int]],
+) -> None:
+    """Against a model: every entry whose subject is still live when it falls due fires
+    once, never early, in (due time, order set) order, whatever sweeps run meanwhile
+    (tiny slices and thresholds, so the sweeps interleave with everything); once a
+    sweep ends, no entry that was dead when it was looked at is left."""
+    original = timers_module._MIN_SWEEP, timers_module.SWEEP_SLICE
+    timers_module._MIN_SWEEP, timers_module.SWEEP_SLICE = 4, 3
+    try:
+        clock = ManualClock()
+        ended: set[int] = set()
+        fired: list[tuple[int, int]] = []
+        timers = Timers(clock, lambda subject: subject not in ended, loop_driven=False)
+        pending: list[tuple[int, int]] = []  # (due, subject) set, in order
+        for action, value in steps:
+            if action == "at":
+                subject = len(pending)
+                due = clock.now_ms() + value
+                pending.append((due, subject))
+
+                def fire(subject: int, due: int = due) -> None:
+                    assert clock.now_ms() >= due, "fired early"
+                    if subject not in ended:
+                        fired.append((due, subject))
+                        ended.add(subject)  # done: its entry is dead from now on
+
+                timers.at(due, fire, subject)
+            elif action == "end":
+                ended.add(value)
+            else:
+                clock.advance(value)
+                timers.run_due()
+        clock.advance(100)
+        while timers.sweeping:
+            timers.run_due()
+        timers.run_due()
+        expected = [(due, s) for due, s in pending if s not in ended or (due, s) in fired]
+        assert fired == sorted(expected)
+        assert len(timers) == 0
+    finally:
+        timers_module._MIN_SWEEP, timers_module.SWEEP_SLICE = original
