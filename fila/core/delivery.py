@@ -164,7 +164,7 @@ class Delivery:
                     "ready message has no stored record", extra={"id": ref.id, "queue": queue.name}
                 )
                 continue
-            consumer.offer(grant(ref, consumer, now, timeout, len(record)), record)
+            consumer.offer(grant(ref, consumer, now, timeout), record)
             ring.served(consumer)
         if drr.newly_parked:
             self._schedule_throttle_wake(queue, drr.take_newly_parked())

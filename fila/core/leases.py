@@ -76,10 +76,8 @@ class LeaseTable:
         for key in self._order.after(after):
             yield by_key[key]
 
-    def grant(
-        self, ref: MessageRef, consumer: Consumer, now_ms: int, timeout_ms: int, size: int
-    ) -> Lease:
-        lease = Lease(ref, now_ms + timeout_ms, now_ms, consumer, size)
+    def grant(self, ref: MessageRef, consumer: Consumer, now_ms: int, timeout_ms: int) -> Lease:
+        lease = Lease(ref, now_ms + timeout_ms, now_ms, consumer)
         self._by_key[ref.key] = lease
         self._order.added(ref.key)
         consumer.unsettled += 1
@@ -88,7 +86,7 @@ class LeaseTable:
 
     def restore(self, ref: MessageRef, deadline_ms: int, leased_at_ms: int) -> Lease:
         """Recovery: a lease that was sent before the restart, with no consumer now."""
-        lease = Lease(ref, deadline_ms, leased_at_ms, None, 0)
+        lease = Lease(ref, deadline_ms, leased_at_ms, None)
         lease.sent = True
         self._by_key[ref.key] = lease
         self._order.added(ref.key)

@@ -53,7 +53,7 @@ class Lease:
     back without counting an attempt. Only `fila.core.leases` changes a lease.
     """
 
-    __slots__ = ("active", "consumer", "deadline_ms", "leased_at_ms", "ref", "sent", "size")
+    __slots__ = ("active", "consumer", "deadline_ms", "leased_at_ms", "ref", "sent")
 
     def __init__(
         self,
@@ -61,12 +61,10 @@ class Lease:
         deadline_ms: int,
         leased_at_ms: int,
         consumer: Consumer | None,
-        size: int,
     ) -> None:
         self.ref = ref
         self.deadline_ms = deadline_ms
         self.leased_at_ms = leased_at_ms
         self.consumer = consumer
-        self.size = size
         self.active = True
         self.sent = False

@@ -42,6 +42,8 @@ log = logging.getLogger("fila.broker")
 
 # A message's error text is kept to this many bytes (on_failure sees it; errors echo it).
 MAX_ERROR_BYTES = 4096
+# A lease whose expiry failed (its record could not be read) is tried again this much later.
+EXPIRY_RETRY_MS = 1000
 
 
 class Settlement:
@@ -177,9 +179,13 @@ class Settlement:
                 self._fail(queue, lease, "visibility timeout expired", run_hook=False)
             except Exception:  # one lease's failure must not strand the rest of its bucket
                 log.exception(
-                    "a lease could not expire",
+                    "a lease could not expire; it is tried again later",
                     extra={"queue": queue.name, "message_id": lease.ref.id},
                 )
+                # Its timer entry is spent: without a new deadline it would stay leased
+                # for as long as its consumer stays connected without settling it.
+                retry_at = self.state.clock.now_ms() + EXPIRY_RETRY_MS
+                queue.leases.extend(lease, retry_at)
                 continue
             queue.counters.expired += 1
 

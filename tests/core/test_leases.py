@@ -16,6 +16,7 @@ from __future__ import annotations
 import pytest
 from support.core import config, make_core, run_async
 
+from fila.core import settlement
 from fila.core.errors import InvalidArgument, MessageNotFound, QueueNotFound, Unavailable
 from fila.storage import keys
 from fila.storage.backend import StorageError
@@ -362,7 +363,9 @@ async def test_a_lease_that_cannot_expire_does_not_strand_the_others_due_with_it
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A lease whose expiry fails (here its record cannot be read) stays as it was;
-    the other leases of its millisecond still expire."""
+    the other leases of its millisecond still expire, and it is tried again
+    EXPIRY_RETRY_MS later (its timer entry is spent, so without that it stayed leased
+    for good)."""
     core = make_core(queues=["q"])
     broken, fine = await core.enqueue("q", 2)
     consumer = await core.attach("q", prefetch=2, max_batch=2)
@@ -378,10 +381,17 @@ async def test_a_lease_that_cannot_expire_does_not_strand_the_others_due_with_it
 
     monkeypatch.setattr(core.storage, "get", failing_get)
     await core.advance(1000)
-    assert core.lease_deadlines("q") == {broken: core.now_ms()}
+    retry_at = core.now_ms() + settlement.EXPIRY_RETRY_MS
+    assert core.lease_deadlines("q") == {broken: retry_at}
     assert core.depth("q") == (1, 1) and core.stats("q").counters.expired == 1
     monkeypatch.undo()
     assert core.attempts("q") == {broken: 0, fine: 1}
+    await core.advance(settlement.EXPIRY_RETRY_MS - 1)
+    assert core.lease_deadlines("q") == {broken: retry_at}
+    await core.advance(1)
+    assert core.lease_deadlines("q") == {}
+    assert core.stats("q").counters.expired == 2
+    assert core.attempts("q") == {broken: 1, fine: 1}
 
 
 # -- what one consumer holds ----------------------------------------------------------------
