@@ -14,13 +14,14 @@ the comma-separated `th` header.
 from __future__ import annotations
 
 import pytest
-from support.core import CoreBroker, ManualClock, make_core, run_async
+from support.core import CoreBroker, ManualClock, config, make_core, run_async
 
 from fila.core.consumers import Consumer
 from fila.core.drr import Drr
 from fila.core.records import MessageRef
 from fila.core.throttle import Throttles, parse_throttle_value
 from fila.storage import keys
+from fila.v1 import service_pb2
 
 KEYS_FROM_HEADERS = """
 function on_enqueue(m)
@@ -188,6 +189,33 @@ async def test_a_key_parked_while_the_consumers_fill_up_still_wakes_on_time() ->
     slow = [ms for ms, key in got if key == "slow"]
     assert slow[0] == 0 and len(slow) == 3
     _assert_paced(slow[1:], 10)
+
+
+@run_async
+async def test_a_key_parked_while_the_buffer_budget_is_spent_still_wakes_on_time() -> None:
+    """The same with the broker-wide buffer budget spent (by an unread stream on
+    another queue): the pump parks the throttled key, serves a reading stream one
+    message, stops on the budget, and still schedules the wake-up, rather than leaving
+    it to the next pump that ends on its own, which a steady backlog of another key
+    keeps from happening."""
+    core = make_core(config=config("[scheduler]\ntotal_buffer_bytes = 2048\n"))
+    await _throttled(core, t="10,1")
+    await core.create_queue("a")
+    await core.enqueue_requests(
+        [service_pb2.EnqueueRequest(queue="a", payload=bytes(1500)) for _ in range(2)]
+    )
+    await core.attach("a", prefetch=10)  # never reads: holds the whole budget
+    assert core.budget()[1], "spent"
+    await _backlog(core, 2, "t", fk="slow")
+    await _backlog(core, 400, "", fk="free")
+    consumer = await core.attach("q", prefetch=10, max_batch=10)
+    got = await _received_each_ms(core, consumer, 150)
+    slow = [ms for ms, key in got if key == "slow"]
+    free = [ms for ms, key in got if key == "free"]
+    assert len(free) > 100, "served one message at a time, not stalled"
+    # its token is there at 100 ms; the reading stream's one slot may hold that
+    # millisecond's message first
+    assert len(slow) == 2 and slow[0] == 0 and 100 <= slow[1] <= 101, slow
 
 
 @run_async
