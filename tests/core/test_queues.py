@@ -345,7 +345,6 @@ async def test_stats_over_many_fairness_keys_weigh_them_a_slice_per_turn_and_lis
     assert in_turns.active_fairness_keys == 35
 
 
-
 @run_async
 async def test_stats_count_what_happened_to_the_queues_messages() -> None:
     core = make_core()
