@@ -238,6 +238,60 @@ def test_flush_now_writes_and_fsyncs_what_is_pending_and_answers_its_writers(
 # -- sync_soon: writes nobody waits on ride the next sync ----------------------------
 
 
+@in_loop
+async def test_waiting_with_nothing_written_and_nothing_unsynced_costs_no_sync() -> None:
+    """A writer that wrote nothing (a request whose every item failed) while nothing
+    is left unsynced is answered without an fsync of its own: one would sync nothing,
+    and a client could ask for them in a loop."""
+    with gated_committer() as (storage, committer):
+        storage.gate.set()
+        committer.put(b"k", b"v")
+        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+        assert storage.sync_count == 1
+        ran: list[str] = []
+        committer.after_commit(lambda: ran.append("after"))
+        await asyncio.wait_for(committer.flushed(), DEADLINE_S)
+        assert ran == ["after"] and storage.sync_count == 1
+
+
+@in_loop
+async def test_waiting_with_nothing_written_during_a_sync_waits_for_a_sync_after_it() -> None:
+    """The sync running covers a write that is not durable yet: a writer that wrote
+    nothing meanwhile still waits for a sync to end."""
+    with gated_committer() as (storage, committer):
+        first = await _write_held_in_sync(storage, committer, b"k")
+        nothing = committer.flushed()
+        for _ in range(3):
+            await asyncio.sleep(0)
+        assert not nothing.done()
+        storage.gate.set()
+        await asyncio.wait_for(asyncio.gather(first, nothing), DEADLINE_S)
+
+
+def test_waiting_with_nothing_written_still_waits_for_unsynced_writes(
+    soon_s: Callable[[float], None],
+) -> None:
+    """Nothing written now, but a `sync_soon` write is in the WAL unsynced: the waiter
+    is answered only once a sync covers it."""
+    soon_s(DEADLINE_S * 10)  # its own timer never fires within the test
+
+    async def test() -> None:
+        with gated_committer() as (storage, committer):
+            committer.put(b"ack", b"")
+            committer.sync_soon()
+            await asyncio.sleep(0)
+            assert storage.writes == 1 and storage.sync_count == 0
+            waiting = committer.flushed()
+            entered = await asyncio.to_thread(storage.entered.acquire, True, DEADLINE_S)
+            assert entered, "no sync started"
+            assert not waiting.done()
+            storage.gate.set()
+            await asyncio.wait_for(waiting, DEADLINE_S)
+            assert storage.sync_count == 1
+
+    asyncio.run(test())
+
+
 @pytest.fixture
 def soon_s(monkeypatch: pytest.MonkeyPatch) -> Callable[[float], None]:
     """Sets how long a `sync_soon` write waits for a sync asked for by something else."""

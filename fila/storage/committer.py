@@ -39,7 +39,8 @@ The path of a write, in order:
    if any (a message, its lease or delay, a queue record);
 2. `_write_batch` (end of the turn) hands the batch and those names to the batch hook,
    if one is set, which may add to it and return a `Gate`; then appends the batch to
-   the WAL, unsynced, and queues its waiters (`_Waiters`) as unsynced;
+   the WAL, unsynced, and queues its waiters (`_Waiters`) as unsynced (a batch with
+   no operations, while nothing is unsynced or syncing, has them answered at once);
 3. `_start_sync` hands everything unsynced to the fsync thread (one sync at a time;
    what is written meanwhile waits for the next);
 4. `_sync_done` on the loop resolves every waiter the sync covered, oldest first
@@ -264,7 +265,10 @@ class Committer:
         if self._failed is not None:
             waiters.fail(self._failed)
             return
-        if not self._sync:
+        if not self._sync or not (ops or self._syncing or self._unsynced or self._soon_unsynced):
+            # Buffer mode; or nothing written and nothing left unsynced, so everything
+            # written so far is durable already: no fsync for nothing (a request whose
+            # every item failed would otherwise cost one, and a client could loop them).
             waiters.succeed()
             return
         if soon:
