@@ -8,7 +8,6 @@ before and logs why once; that case runs in a process without CAP_SYS_NICE.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
@@ -109,20 +108,28 @@ UNPRIVILEGED_SYNC = textwrap.dedent(
 def _sync_without_cap_sys_nice() -> subprocess.CompletedProcess[str]:
     """Runs UNPRIVILEGED_SYNC in a process without CAP_SYS_NICE.
 
+    Root keeps CAP_SYS_NICE across exec only if its bounding set still holds it, so a
+    first Python drops it from the bounding set and execs the one that runs the sync.
+    That step is a process of its own, not a `preexec_fn`: forking a process whose
+    other threads (gRPC's, another test's) may hold a lock, then calling into the C
+    library before exec, can deadlock the child, and did hang this test when it ran
+    beside other files.
+
     (The other way to allow it, RLIMIT_NICE as systemd's LimitNICE= sets it, is not
     tested: raising that limit needs CAP_SYS_RESOURCE, which root lacks on our CI machines.)"""
-
-    def unprivileged() -> None:
-        # Root keeps CAP_SYS_NICE across exec only if its bounding set still holds it.
-        if os.geteuid() == 0 and ctypes.CDLL(None).prctl(PR_CAPBSET_DROP, CAP_SYS_NICE):
-            raise OSError("could not drop CAP_SYS_NICE")
-
+    drop_then_exec = textwrap.dedent(
+        f"""
+        import ctypes, os, sys
+        if os.geteuid() == 0 and ctypes.CDLL(None).prctl({PR_CAPBSET_DROP}, {CAP_SYS_NICE}):
+            sys.exit("could not drop CAP_SYS_NICE")
+        os.execv(sys.executable, [sys.executable, "-c", sys.argv[1]])
+        """
+    )
     repo = Path(__file__).resolve().parent.parent
     done = subprocess.run(
-        [sys.executable, "-c", UNPRIVILEGED_SYNC],
+        [sys.executable, "-c", drop_then_exec, UNPRIVILEGED_SYNC],
         cwd="/",
         env={**os.environ, "PYTHONPATH": str(repo)},
-        preexec_fn=unprivileged,
         capture_output=True,
         text=True,
         timeout=60,
