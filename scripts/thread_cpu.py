@@ -12,7 +12,9 @@ harness's placement). It reads every thread's user and system CPU from /proc bef
 and after the window, names the threads with `py-spy dump` (their Python names:
 `MainThread` runs the event loop, `fila-fsync` the WAL's fdatasync, grpc.aio's poller
 `Thread-N (_poll_wrapper)`), and prints each thread's CPU per message, the medians
-of the rounds. The difference between the two servers, thread by thread, is what the
+of the rounds, with this process's own (the load generator's: on a one-in-flight
+path its CPU is part of every round trip, and where its core is full, the rate is
+its own). The difference between the two servers, thread by thread, is what the
 broker costs beyond gRPC's own per-message work (figures: docs/benchmarks.md, "Where
 a durable enqueue's CPU goes, thread by thread").
 """
@@ -132,9 +134,9 @@ async def measure(
                 await client.enqueue("q", None, PAYLOAD)
                 sent += 1
 
-        before, started = thread_ticks(pid), time.monotonic()
+        before, started, own = thread_ticks(pid), time.monotonic(), os.times()
         await asyncio.gather(*(produce(c) for c in clients))
-        elapsed, after = time.monotonic() - started, thread_ticks(pid)
+        elapsed, after, own_after = time.monotonic() - started, thread_ticks(pid), os.times()
         names = thread_names(pid)
         for client in clients:
             await client.close()
@@ -146,6 +148,10 @@ async def measure(
         threads[f"{name} user"] += (user - user0) * per_tick_us
         threads[f"{name} sys"] += (system - system0) * per_tick_us
     threads["all threads"] = sum(threads.values())
+    # the load generator (this process, on its own CPU): on a one-in-flight path its
+    # CPU is part of every round trip too
+    client_s = (own_after.user - own.user) + (own_after.system - own.system)
+    threads["(load generator, all threads)"] = client_s * 1e6 / sent
     return sent / elapsed, dict(threads)
 
 
