@@ -15,7 +15,8 @@ profile named by `--cells` (the labels `bench-competitive/run.py` prints: `c1_b2
 CPU 0, the load generator to CPU 1, as `run.py` places them. Prints every round's
 rates and the broker's and the load generator's CPU per job in each cell, then each
 side's medians and its per-round ratio to the first side (and to RabbitMQ) with their
-medians: on a shared host, ratios measured in the same round are what can be compared.
+medians and ranges: on a shared host, ratios measured in the same round are what can
+be compared, and a range that straddles 1 by far is no result.
 """
 
 from __future__ import annotations
@@ -106,8 +107,13 @@ def _side(name: str, path: str, args: argparse.Namespace) -> dict[str, float]:
     return {row: float(v["value"]) for row, v in figures.items()}
 
 
-def _median_ratio(a: list[float], b: list[float]) -> float:
-    return statistics.median(x / y for x, y in zip(a, b, strict=True) if y)
+def _ratio(a: list[float], b: list[float]) -> str:
+    """The median of the same-round ratios a/b and, in brackets, their range: on a
+    noisy host a median of 1.05 whose rounds run from 0.8 to 1.4 says nothing."""
+    ratios = [x / y for x, y in zip(a, b, strict=True) if y]
+    if not ratios:
+        return "-"
+    return f"{statistics.median(ratios):.3f} [{min(ratios):.2f}-{max(ratios):.2f}]"
 
 
 def main() -> int:
@@ -139,7 +145,9 @@ def main() -> int:
             print(f"round {index + 1} {name}: {shown}", flush=True)
     rows = list(results[sides[0][0]][0])
     first = sides[0][0]
-    print(f"\nmedians of {args.rounds} rounds; ratios are medians of same-round ratios")
+    print(
+        f"\nmedians of {args.rounds} rounds; ratios are medians of same-round ratios, [their range]"
+    )
     for row in rows:
         line = [f"{row:28}"]
         for name, _ in sides:
@@ -147,10 +155,10 @@ def main() -> int:
             line.append(f"{name} {statistics.median(values):9,.1f}")
             if name != first:
                 base = [r[row] for r in results[first]]
-                line.append(f"/{first} {_median_ratio(values, base):.3f}")
+                line.append(f"/{first} {_ratio(values, base)}")
             if RABBITMQ in results and name != RABBITMQ:
                 rabbit = [r[row] for r in results[RABBITMQ]]
-                line.append(f"/rabbitmq {_median_ratio(values, rabbit):.3f}")
+                line.append(f"/rabbitmq {_ratio(values, rabbit)}")
         print("  ".join(line), flush=True)
     return 0
 
