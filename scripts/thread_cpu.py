@@ -2,6 +2,7 @@
 """Where a durable enqueue's CPU goes, thread by thread, beside a bare gRPC echo server.
 
     .venv/bin/python scripts/thread_cpu.py [--connections 1,8,50] [--seconds 5] [--rounds 3]
+        [--drain MESSAGES]
 
 For each connection count it runs, alternately, `fila-server` (`persist_mode =
 "sync"`, as the harness's durable cells) and `fila_bench.echo` (a grpc.aio server
@@ -17,6 +18,10 @@ path its CPU is part of every round trip, and where its core is full, the rate i
 its own). The difference between the two servers, thread by thread, is what the
 broker costs beyond gRPC's own per-message work (figures: docs/benchmarks.md, "Where
 a durable enqueue's CPU goes, thread by thread").
+
+With `--drain`, the load is a drain instead, Fila only (the echo server has no
+queue): a queue preloaded with MESSAGES, emptied by one `fila_sdk.Worker` per
+connection, each with one message in flight, acked on its stream.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from pathlib import Path
 
 from fila.testing.children import free_port
 from fila.testing.server import ServerProcess
+from fila_bench.load import worker_drain
 from fila_sdk import AsyncClient
 
 SERVER_CPU, CLIENT_CPU = 0, 1
@@ -140,7 +146,42 @@ async def measure(
         names = thread_names(pid)
         for client in clients:
             await client.close()
-    per_tick_us = 1e6 / os.sysconf("SC_CLK_TCK") / sent
+    return sent / elapsed, per_message(before, after, names, own, own_after, sent)
+
+
+async def measure_drain(connections: int, messages: int) -> tuple[float, dict[str, float]]:
+    """`--drain`: the rate, and each thread's CPU per message, while one
+    `fila_sdk.Worker` per connection (one message in flight, acked on its stream, as
+    `fila-bench`'s drains and the harness's) empties a queue preloaded with
+    `messages`."""
+    async with fila_server() as (addr, pid):
+        pin(pid, SERVER_CPU)
+        async with AsyncClient(addr) as loader:
+            for start in range(0, messages, 500):
+                count = min(500, messages - start)
+                await loader.enqueue_many("q", [(None, PAYLOAD)] * count)
+        clients = [AsyncClient(addr, channel_options=LOCAL_POOL) for _ in range(connections)]
+        before, started, own = thread_ticks(pid), time.monotonic(), os.times()
+        done = await worker_drain(clients, "q", messages, deadline_s=300)
+        elapsed, after, own_after = time.monotonic() - started, thread_ticks(pid), os.times()
+        names = thread_names(pid)
+        for client in clients:
+            await client.close()
+    return done.counted / elapsed, per_message(before, after, names, own, own_after, done.counted)
+
+
+def per_message(
+    before: Ticks,
+    after: Ticks,
+    names: dict[int, str],
+    own: os.times_result,
+    own_after: os.times_result,
+    count: int,
+) -> dict[str, float]:
+    """Each server thread's user and system CPU per message in microseconds, their
+    sum, and the load generator's (this process, on its own CPU: on a one-in-flight
+    path its CPU is part of every round trip too)."""
+    per_tick_us = 1e6 / os.sysconf("SC_CLK_TCK") / count
     threads: dict[str, float] = collections.defaultdict(float)
     for tid, (user, system) in after.items():
         user0, system0 = before.get(tid, (0, 0))
@@ -148,16 +189,14 @@ async def measure(
         threads[f"{name} user"] += (user - user0) * per_tick_us
         threads[f"{name} sys"] += (system - system0) * per_tick_us
     threads["all threads"] = sum(threads.values())
-    # the load generator (this process, on its own CPU): on a one-in-flight path its
-    # CPU is part of every round trip too
     client_s = (own_after.user - own.user) + (own_after.system - own.system)
-    threads["(load generator, all threads)"] = client_s * 1e6 / sent
-    return sent / elapsed, dict(threads)
+    threads["(load generator, all threads)"] = client_s * 1e6 / count
+    return dict(threads)
 
 
 async def run(args: argparse.Namespace) -> None:
     os.sched_setaffinity(0, {CLIENT_CPU})
-    servers = {"fila": fila_server, "echo": echo_server}
+    servers = {"fila": fila_server} if args.drain else {"fila": fila_server, "echo": echo_server}
     for connections in args.connections:
         rates: dict[str, list[float]] = collections.defaultdict(list)
         costs: dict[str, dict[str, list[float]]] = {
@@ -166,7 +205,10 @@ async def run(args: argparse.Namespace) -> None:
         for index in range(args.rounds):
             order = list(servers) if index % 2 == 0 else list(reversed(servers))
             for name in order:
-                rate, threads = await measure(servers[name], connections, args.seconds)
+                if args.drain:
+                    rate, threads = await measure_drain(connections, args.drain)
+                else:
+                    rate, threads = await measure(servers[name], connections, args.seconds)
                 rates[name].append(rate)
                 for thread, us in threads.items():
                     costs[name][thread].append(us)
@@ -187,6 +229,14 @@ def main() -> None:
     )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--drain",
+        type=int,
+        default=0,
+        metavar="MESSAGES",
+        help="measure a drain of MESSAGES preloaded messages by one Worker per "
+        "connection instead (Fila only: the echo server has no queue)",
+    )
     asyncio.run(run(parser.parse_args()))
 
 
