@@ -5,9 +5,10 @@ escape attempts, results that are not valid UTF-8 or not usable at all; the bodi
 in lua_hostile.lua) goes into its own queue's `on_enqueue` (or `on_failure`). Three
 enqueues must cost the broker's event loop at most the 10 ms budget plus request
 handling (their median; none more than three budgets; measured as the loop thread's
-CPU time, which a busy host changes little), answer OK with the default decision, and leave the broker serving. The latency test
-has another client hammer a hostile queue while one connection measures a healthy
-queue's enqueue latency, and prints the figures:
+CPU time, which a busy host changes little), answer OK with the default decision, and
+leave the broker serving. The latency test has another client hammer a hostile queue
+while one connection measures a healthy queue's enqueue latency, and prints the
+figures:
 
     ./scripts/test.sh tests/test_lua_hostile.py -k latency -s
 
