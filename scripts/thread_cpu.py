@@ -76,10 +76,7 @@ def thread_names(pid: int) -> dict[int, str]:
     if not Path(spy).exists():
         return {}
     done = subprocess.run([spy, "dump", "--pid", str(pid)], capture_output=True, text=True)
-    return {
-        int(m[1]): m[2]
-        for m in re.finditer(r'^Thread (\d+) \([^)]*\): "([^"]*)"', done.stdout, re.M)
-    }
+    return {int(m[1]): m[2] for m in THREAD_LINE.finditer(done.stdout)}
 
 
 def pin(pid: int, cpu: int) -> None:
