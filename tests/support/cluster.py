@@ -112,9 +112,11 @@ class Cluster:
         *,
         env: dict[str, str] | None = None,
         api_key: str | None = None,
+        lease_ttl_ms: int = LEASE_TTL_MS,
     ):
         self.root = root
         self.etcd = etcd
+        self.lease_ttl_ms = lease_ttl_ms
         self.env = env or {}
         self.api_key = api_key
         self.nodes: dict[int, ServerProcess] = {}
@@ -132,7 +134,11 @@ class Cluster:
     ) -> ServerProcess:
         port = free_port()
         config = node_config(
-            node_id, f"{host}:{port}", endpoints or self.etcd.endpoints, extra=extra
+            node_id,
+            f"{host}:{port}",
+            endpoints or self.etcd.endpoints,
+            extra=extra,
+            lease_ttl_ms=self.lease_ttl_ms,
         )
         proc = ServerProcess(
             self.root / f"node{node_id}" / "data",
@@ -189,12 +195,18 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def cluster(root: Path, nodes: int = 3, *, bootstrap_key: str | None = None) -> Iterator[Cluster]:
+def cluster(
+    root: Path,
+    nodes: int = 3,
+    *,
+    bootstrap_key: str | None = None,
+    lease_ttl_ms: int = LEASE_TTL_MS,
+) -> Iterator[Cluster]:
     """One etcd member and `nodes` fila-server nodes, all stopped on exit."""
     require_etcd()
     etcd = EtcdCluster(root / "etcd").start()
     env = {"FILA_BOOTSTRAP_APIKEY": bootstrap_key} if bootstrap_key else None
-    made = Cluster(root, etcd, env=env, api_key=bootstrap_key)
+    made = Cluster(root, etcd, env=env, api_key=bootstrap_key, lease_ttl_ms=lease_ttl_ms)
     try:
         for node_id in range(1, nodes + 1):
             made.add(node_id)
