@@ -46,6 +46,7 @@ from support import ServerProcess, wait_until
 from support.cli import ok, ok_json
 from support.cluster import (
     LEASE_TTL_MS,
+    LONG_LEASE_MS,
     Cluster,
     Netns,
     cluster,
@@ -75,8 +76,12 @@ def unique(prefix: str) -> str:
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     """Three nodes with auth on (every call carries the bootstrap key unless a test
-    says otherwise), shared by the tests that change nothing but their own queues."""
-    with cluster(tmp_path_factory.mktemp("shared"), 3, bootstrap_key=BOOT) as made:
+    says otherwise), shared by the tests that change nothing but their own queues.
+    Their lease is long: none of them waits for an expiry, and a node starved for a
+    second on a loaded CI machine must not be fenced under them."""
+    with cluster(
+        tmp_path_factory.mktemp("shared"), 3, bootstrap_key=BOOT, lease_ttl_ms=LONG_LEASE_MS
+    ) as made:
         yield made
 
 

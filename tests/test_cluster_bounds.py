@@ -27,7 +27,7 @@ from pathlib import Path
 import grpc
 import pytest
 from support import resident_bytes_of, settled, wait_until
-from support.cluster import Cluster, cluster, require_etcd
+from support.cluster import LONG_LEASE_MS, Cluster, cluster, require_etcd
 from support.h2raw import RawH2Connection
 from support.stubs import RPC_TIMEOUT_S
 
@@ -39,7 +39,6 @@ pytestmark = pytest.mark.cluster
 BOOT = "cluster-bounds-bootstrap-key"
 MIB = 1024 * 1024
 STREAM_ENQUEUE = "/fila.v1.FilaService/StreamEnqueue"
-LONG_LEASE_MS = 15_000
 
 
 @pytest.fixture(scope="module")

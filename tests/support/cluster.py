@@ -29,6 +29,9 @@ from support.stubs import Fila
 
 # Tests use a short lease so that expiry and fencing are seen in seconds.
 LEASE_TTL_MS = 2000
+# For tests that wait for no expiry: a node starved for a second on a loaded CI machine
+# keeps its queues.
+LONG_LEASE_MS = 15_000
 
 
 def require_etcd() -> None:
