@@ -41,6 +41,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
+import fila
 from fila.testing.children import free_port
 from fila.testing.server import ServerProcess
 from fila_bench.load import worker_drain
@@ -234,7 +235,10 @@ def main() -> None:
         help="measure a drain of MESSAGES preloaded messages by one Worker per "
         "connection instead (Fila only: the echo server has no queue)",
     )
-    asyncio.run(run(parser.parse_args()))
+    args = parser.parse_args()
+    # the broker runs the checkout this process imported (fila.testing.server)
+    print(f"fila from {Path(fila.__file__).resolve().parent.parent}")
+    asyncio.run(run(args))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,10 @@ class ServerProcess:
     `--config`; `persist_mode`, when given, is set in that file's `[storage]` table.
     `env` adds to (and may override) the child's environment, from which inherited
     `FILA_*` variables (and gRPC's log settings) are removed so the caller's shell cannot
-    leak into a test.
+    leak into a test. The child runs the `fila` this process imported: its checkout comes
+    first on the child's `PYTHONPATH`, whatever the caller's `PYTHONPATH` says (so an A/B
+    driver must import `fila` from the side it measures, as `scripts/ab_harness.py`
+    does with one process per side).
     `channel_credentials` are used for the readiness check when the config enables TLS.
     `wrapper` is an argv prefix the broker runs under (e.g. `strace -f -o FILE`, or
     `ip netns exec NS` with `host` an address inside that namespace). `port` fixes the
