@@ -43,6 +43,17 @@ PAYLOAD = b"x" * 256
 Measure = Callable[[int], Awaitable[float]]
 
 
+async def _cpu_per_round_trip(cycles: int, send: Callable[[asyncio.Future[None]], None]) -> float:
+    """CPU per cycle of: a new future handed to `send`, awaited until someone resolves it."""
+    loop = asyncio.get_running_loop()
+    started = time.process_time()
+    for _ in range(cycles):
+        future = loop.create_future()
+        send(future)
+        await future
+    return (time.process_time() - started) / cycles
+
+
 async def round_trip_queue(cycles: int) -> float:
     loop = asyncio.get_running_loop()
     requests: queue.SimpleQueue[asyncio.Future[None] | None] = queue.SimpleQueue()
@@ -53,15 +64,10 @@ async def round_trip_queue(cycles: int) -> float:
 
     thread = threading.Thread(target=worker, daemon=True)
     thread.start()
-    started = time.process_time()
-    for _ in range(cycles):
-        future = loop.create_future()
-        requests.put(future)
-        await future
-    used = time.process_time() - started
+    used = await _cpu_per_round_trip(cycles, requests.put)
     requests.put(None)
     thread.join()
-    return used / cycles
+    return used
 
 
 async def round_trip_eventfd(cycles: int) -> float:
@@ -81,33 +87,26 @@ async def round_trip_eventfd(cycles: int) -> float:
         os.eventfd_read(to_loop)
         waiting.pop().set_result(None)
 
+    def send(future: asyncio.Future[None]) -> None:
+        waiting.append(future)
+        os.eventfd_write(to_thread, 1)
+
     loop.add_reader(to_loop, answered)
     thread = threading.Thread(target=worker, daemon=True)
     thread.start()
-    started = time.process_time()
-    for _ in range(cycles):
-        future = loop.create_future()
-        waiting.append(future)
-        os.eventfd_write(to_thread, 1)
-        await future
-    used = time.process_time() - started
+    used = await _cpu_per_round_trip(cycles, send)
     stop = True
     os.eventfd_write(to_thread, 1)
     thread.join()
     loop.remove_reader(to_loop)
     os.close(to_thread)
     os.close(to_loop)
-    return used / cycles
+    return used
 
 
 async def round_trip_none(cycles: int) -> float:
     loop = asyncio.get_running_loop()
-    started = time.process_time()
-    for _ in range(cycles):
-        future = loop.create_future()
-        loop.call_soon(future.set_result, None)
-        await future
-    return (time.process_time() - started) / cycles
+    return await _cpu_per_round_trip(cycles, lambda future: loop.call_soon(future.set_result, None))
 
 
 def core_cycle(persist_mode: str) -> Measure:
