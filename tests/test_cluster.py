@@ -50,6 +50,7 @@ from support.cluster import (
     Cluster,
     Netns,
     cluster,
+    lease_kept,
     node_config,
     paused,
     require_etcd,
@@ -686,8 +687,9 @@ def test_kill9_of_an_owner(tmp_path: Path) -> None:
 
         # Killed and restarted at once, while etcd still holds its lease: it revokes its
         # predecessor's lease instead of waiting it out.
-        made.node(3).kill()
-        made.node(3).start()
+        with lease_kept(made, 3):
+            made.node(3).kill()
+            made.node(3).start()
         wait_until(back, 10, what="the owner answering after a quick restart")
         assert "revoking this node's previous lease" in made.node(3).log_text()
 
@@ -1262,8 +1264,9 @@ def test_a_node_at_another_live_nodes_address_is_refused(tmp_path: Path) -> None
             assert "not joining yet" in twin.log_text()  # said at once, not after the wait
             assert nodes_up() == [(1, made.node(1).addr), (2, taken)]
 
-            made.node(2).kill()  # its record stays live for the lease TTL...
-            made.node(2).start()  # ...and does not count against its own id
+            with lease_kept(made, 2):  # its record stays live for the lease TTL...
+                made.node(2).kill()
+                made.node(2).start()  # ...and does not count against its own id
             log = made.node(2).log_text()
             assert "revoking this node's previous lease" in log and "not joining yet" not in log
             made.fila(2).create_queue(unique("back"))

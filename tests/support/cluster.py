@@ -7,6 +7,7 @@ even when a test fails): nodes, etcd members, namespaces and their veth pairs.
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import contextlib
 import os
@@ -14,6 +15,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import threading
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,8 @@ from typing import Any
 import grpc
 import pytest
 
+from fila.cluster.etcd import Etcd
+from fila.cluster.layout import Layout
 from fila.testing.children import free_port
 from fila.testing.etcd import EtcdCluster, etcd_binary
 from fila.testing.server import ServerProcess
@@ -228,6 +232,55 @@ def paused(proc: ServerProcess) -> Iterator[None]:
         yield
     finally:
         os.kill(proc.pid, signal.SIGCONT)
+
+
+@contextlib.contextmanager
+def lease_kept(made: Cluster, node_id: int) -> Iterator[None]:
+    """Keeps node `node_id`'s etcd lease alive from the test until exit, or until etcd
+    no longer has it (the restarted node revoked it). Why: a test that kills a node
+    and starts it again to see it revoke its dead predecessor's lease raced the lease
+    TTL; on a loaded CI machine the restart took longer than 2 s, found the lease
+    expired, and the revoke went unseen."""
+    held = threading.Event()
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    failures: list[BaseException] = []
+
+    async def keep() -> None:
+        client = Etcd(made.etcd.endpoints)
+        await client.open()
+        try:
+            entry, _revision = await client.get(Layout("/fila").node(node_id))
+            if entry is None or not entry.lease:
+                raise AssertionError(f"node {node_id} has no record on a lease in etcd")
+            held.set()
+            while await client.keepalive(entry.lease, 1.0):
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 0.1)
+                    return
+        finally:
+            await client.close()
+
+    def run() -> None:
+        try:
+            loop.run_until_complete(keep())
+        except BaseException as exc:  # handed to the test's thread below
+            failures.append(exc)
+        finally:
+            held.set()
+            loop.close()
+
+    keeper = threading.Thread(target=run, name=f"lease-keeper-{node_id}", daemon=True)
+    keeper.start()
+    held.wait(timeout=30)
+    try:
+        if failures:
+            raise failures[0]
+        yield
+    finally:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: the keeper is done
+            loop.call_soon_threadsafe(stop.set)
+        keeper.join(timeout=30)
 
 
 # -- network namespaces ----------------------------------------------------------------------
