@@ -438,6 +438,8 @@ def test_a_leader_cut_from_etcd_and_its_followers_stops_and_comes_back_as_a_foll
     require_netns()
     nets = Netns()
     made: Cluster | None = None
+    stop = threading.Event()  # ends the prober, on success or failure alike
+    prober: threading.Thread | None = None
     try:
         etcd_ns, leader_ns, others_ns = (nets.namespace(x) for x in ("e", "n", "f"))
         _, etcd_host, _ = nets.link("e", None, etcd_ns)  # the harness <-> etcd
@@ -475,7 +477,6 @@ def test_a_leader_cut_from_etcd_and_its_followers_stops_and_comes_back_as_a_foll
         wait_in_sync(made, "split", 2, {1, 2, 3}, 10)
 
         probes: list[tuple[float, int, str]] = []  # (answered, node asked, message id)
-        stop = threading.Event()
         clients = {via: made.fila(via) for via in (1, 2, 3)}
 
         def probe() -> None:
@@ -496,14 +497,17 @@ def test_a_leader_cut_from_etcd_and_its_followers_stops_and_comes_back_as_a_foll
         cut_at = time.monotonic()
         nets.set_link(etcd_ns, etcd_iface, up=False)
         nets.set_link(others_ns, peer_iface, up=False)
+        # Until the peer link is down too, nodes 2 and 3 relay calls to node 1, still the
+        # leader: their answers before `isolated_at` are node 1's, not a second leader's.
+        isolated_at = time.monotonic()
 
         def taken_over() -> bool:
-            return any(t > cut_at and via != 1 for t, via, _ in probes)
+            return any(t > isolated_at and via != 1 for t, via, _ in probes)
 
         wait_until(taken_over, TTL_S + 10, what="node 2 or 3 answering after the cut")
         wait_until(lambda: any(t > cut_at + TTL_S + 1 for t, _, _ in probes), 10, what="probes")
         by_node_1 = [t for t, via, _ in probes if via == 1 and t > cut_at]
-        by_others = [t for t, via, _ in probes if via != 1 and t > cut_at]
+        by_others = [t for t, via, _ in probes if via != 1 and t > isolated_at]
         if by_node_1:  # node 1 acknowledged only before it was fenced, and before the others
             assert max(by_node_1) - cut_at <= TTL_S, max(by_node_1) - cut_at
             assert max(by_node_1) < min(by_others), "two nodes acknowledged at once"
@@ -526,6 +530,9 @@ def test_a_leader_cut_from_etcd_and_its_followers_stops_and_comes_back_as_a_foll
         )
         _same_on_every_replica(made, "split")
     finally:
+        stop.set()
+        if prober is not None:
+            prober.join(10)
         if made is not None:
             made.close()
         nets.close()
