@@ -842,7 +842,7 @@ def test_a_hung_etcd_member_is_left_out_and_the_node_keeps_answering(tmp_path: P
         fila = made.fila(1)
         queue = unique("hung-etcd")
         fila.create_queue(queue)
-        hung = etcd._procs[(etcd.leader() + 1) % 3].pid  # type: ignore[union-attr]
+        hung = etcd.pid((etcd.leader() + 1) % 3)
         os.kill(hung, signal.SIGSTOP)
         stopped_at = time.monotonic()
         streak: list[float] = []  # when the writes answered at once since the last that was not

@@ -10,6 +10,9 @@ What is shown here:
   `lease_ttl_ms` + 1 s (a short run of `scripts/crash_soak.py --cluster`);
 - a leader paused (SIGSTOP) for twice its lease under load: nothing it acknowledged
   is lost, and it acknowledges nothing once it resumes;
+- a leader whose followers are dead answers alone once they left the in-sync set;
+  with etcd hung it stops acknowledging within its lease (the fence alone stops it),
+  and serves the queue again once etcd answers;
 - five nodes, a queue on three: failover through a node holding no copy; with no
   in-sync replica alive the queue says which nodes it waits for, and a replica out of
   the in-sync set never leads it (no unclean election);
@@ -536,6 +539,63 @@ def test_a_leader_cut_from_etcd_and_its_followers_stops_and_comes_back_as_a_foll
         if made is not None:
             made.close()
         nets.close()
+
+
+def test_a_leader_alone_in_its_isr_stops_acknowledging_within_its_lease_while_etcd_hangs(
+    tmp_path: Path,
+) -> None:
+    """SPEC 9, "Fencing", where nothing but the fence stops a leader: its followers are
+    dead, so once they have left the ISR it is the whole in-sync set and answers alone.
+    With etcd hung (SIGSTOP) it renews nothing, and must stop acknowledging within its
+    lease. (With a follower in sync, the follower's refusal of an older epoch stops a
+    stale leader too, so the cut-off tests above pass without the fence.) Once etcd
+    answers again the node takes its lease and its queue back, everything it
+    acknowledged still there."""
+    with replicated_cluster(tmp_path) as made:
+        made.fila(1).create_queue("alone")
+        first = leader(made, "alone", 1)
+        for node_id in {1, 2, 3} - {first}:
+            made.node(node_id).kill()
+        fila = made.fila(first)
+        # Answered once the dead followers have left the in-sync set (about the lease).
+        answered = {fila.enqueue("alone", b"before")}
+        info = queue_info(made, "alone", first)
+        assert info is not None and list(info.in_sync_node_ids) == [first]
+
+        etcd_pid = made.etcd.pid(0)
+        os.kill(etcd_pid, signal.SIGSTOP)
+        hung_at = time.monotonic()
+        # Answers later than the lease allows; 0.25 s for a call the node took just
+        # before its deadline and answered after its commit (as tests/test_cluster.py).
+        late: list[float] = []
+        refused: list[float] = []
+        try:
+            while time.monotonic() < hung_at + TTL_S + 1.5:
+                try:
+                    answered.add(fila.enqueue("alone", b"during"))
+                except grpc.RpcError as exc:
+                    assert exc.code() == grpc.StatusCode.UNAVAILABLE, exc
+                    refused.append(time.monotonic() - hung_at)
+                    continue
+                if (at := time.monotonic() - hung_at) > TTL_S + 0.25:
+                    late.append(at)
+        finally:
+            os.kill(etcd_pid, signal.SIGCONT)
+        assert not late, f"acknowledged {len(late)} enqueues after its lease, at {late[:3]} s"
+        assert refused and min(refused) <= TTL_S + 0.5, refused[:3]
+
+        def serving_again() -> bool:
+            try:
+                answered.add(fila.enqueue("alone", b"after"))
+            except grpc.RpcError:
+                return False
+            return True
+
+        wait_until(serving_again, 30, what="the queue served again once etcd answers")
+        assert leader(made, "alone", first) == first
+        kept = _stored_ids(made, first, "alone")
+        assert answered <= kept, f"{len(answered - kept)} answered enqueues are lost"
+        print(f"alone in its ISR: refused from {min(refused):.2f}s after etcd hung")
 
 
 def test_five_nodes_a_queue_on_three_fails_over_and_without_an_in_sync_replica_waits(

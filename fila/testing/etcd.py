@@ -161,6 +161,13 @@ class EtcdCluster:
             raise EtcdStartError(f"etcd members disagree on their leader: {sorted(leaders)}")
         return ids.index(leaders.pop())
 
+    def pid(self, index: int) -> int:
+        """The process id of member `index` (a test hangs one with SIGSTOP)."""
+        proc = self._procs[index]
+        if proc is None:
+            raise EtcdStartError(f"etcd member {index} is not running")
+        return proc.pid
+
     def log_tail(self, index: int, lines: int = 20) -> str:
         path = self.root / f"{self._names[index]}.log"
         try:
