@@ -216,6 +216,34 @@ def test_with_no_in_sync_replica_alive_no_other_replica_takes_over() -> None:
     assert cluster.current("a").epoch == 2 and cluster.current("a").node_id == 1
 
 
+def test_a_leader_alone_in_its_isr_acknowledges_nothing_once_its_lease_ran_out() -> None:
+    """SPEC 9 "Fencing" where the fence alone stops a leader: with no follower in sync
+    there is nobody to refuse its batches, so once cut off from etcd past its lease it
+    must refuse writes itself (and its timers' writes must not be acknowledged)."""
+    cluster = SimCluster()
+    cluster.isolate(1)
+    cluster.write(1, "a", settle=False)
+    cluster.settle(rounds=ROUNDS, check=True)  # the followers leave the ISR
+    assert cluster.current("a").isr == (1,)
+    assert cluster.write(1, "a", settle=False)  # answered alone
+    cluster.settle(rounds=2, check=True)
+    answered = len(cluster.acked)
+    cluster.cut_from_etcd.add(1)
+    cluster.settle(rounds=ROUNDS, check=True)  # its lease runs out; it renews nothing
+    replicator = cluster.nodes[1].replicator
+    assert replicator is not None and replicator.leads("a")
+    assert not replicator.serving("a")
+    assert not cluster.write(1, "a", settle=False)
+    cluster.write(1, "a", settle=False, client=False)
+    cluster.settle(rounds=3, check=True)
+    assert len(cluster.acked) == answered
+    cluster.cut_from_etcd.clear()
+    cluster.settle(rounds=ROUNDS, check=True)  # a new lease: it serves its queue again
+    assert cluster.write(1, "a", settle=False)
+    cluster.settle(rounds=2, check=True)
+    assert len(cluster.acked) == answered + 1
+
+
 def test_a_paused_leader_answers_nothing_once_resumed_and_no_follower_keeps_its_batches() -> None:
     cluster = SimCluster()
     cluster.write(1, "a", settle=False)  # on its way, not answered
