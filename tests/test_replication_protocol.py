@@ -261,6 +261,57 @@ def test_a_paused_leader_answers_nothing_once_resumed_and_no_follower_keeps_its_
     assert cluster.nodes[1].disk.batches["a"] == leader.disk.batches["a"]  # rebuilt
 
 
+def test_an_isr_add_applied_after_the_replica_lost_its_disk_loses_nothing() -> None:
+    """Found by Hypothesis: the leader proposes a caught-up replica back into the ISR,
+    the replica loses its disk (and is down) before etcd applies the proposal, so etcd
+    counts an empty replica in sync. The node marks itself ineligible when it starts
+    again (Position.eligible), its leader takes it out, and it counts again only once
+    caught up: nothing acknowledged is lost, and it heals."""
+    state = Replication()
+    state.wipe(node=1)
+    state.heal_all()
+    state.run(count=40)  # node 1 caught up; the leader's add of it is on its way
+    state.wipe(node=1)
+    state.run(count=8)
+    assert 1 in state.cluster.current("a").isr  # applied late: the case itself
+    state.safe()
+    state.teardown()
+
+
+def test_an_isr_add_is_refused_when_the_replica_restarted_since_it_caught_up() -> None:
+    """Found by Hypothesis (Kafka's KIP-903 case): a replica caught up, lost its disk
+    and started again, empty, before its leader heard of the restart (the membership
+    watch lags). The leader's session with the old incarnation says caught up, so it
+    proposes the replica into the ISR; the transaction requires the replica's
+    membership key to be on the lease of the incarnation that caught up, and fails.
+    Without that, the empty replica counted in sync and could lead once it held a
+    prefix of the log, losing what the others acknowledged."""
+    state = Replication()
+    cluster = state.cluster
+    state.kill(node=1)
+    state.client_write(count=1, group="a", settle=False)
+    state.wipe(node=1)
+    state.heal_all()
+    state.run(count=45)  # node 1 caught up, not yet back in the ISR
+    assert cluster.current("a").isr == (2, 3)
+    state.wipe(node=1)
+    state.wipe(node=3)
+    state.heal_all()
+
+    def adding_1() -> bool:
+        return any(p.group == "a" and 1 in p.record.isr for _, _, p in cluster.to_etcd)
+
+    for _ in range(20):
+        if adding_1():
+            break
+        cluster.run(1, check=True)
+    assert adding_1()  # proposed from the old incarnation's session
+    while adding_1():
+        cluster.run(1, check=True)
+    assert 1 not in cluster.current("a").isr  # and refused
+    state.teardown()
+
+
 def _proposing(cluster: SimCluster, node: int, group: str) -> bool:
     return any(n == node and p.group == group for n, _, p in cluster.to_etcd)
 

@@ -257,10 +257,12 @@ class Etcd:
         value: bytes,
         *,
         not_on_lease: tuple[str, int] | None = None,
+        on_leases: Sequence[tuple[str, int]] = (),
     ) -> Swapped:
         """Puts `value` at `key` only if `key` holds exactly `expected` (None: `key`
-        does not exist) and, with `not_on_lease` = (other key, lease), the other key is
-        not attached to that lease (absent, or on another): one transaction, so of two
+        does not exist), with `not_on_lease` = (other key, lease), the other key is
+        not attached to that lease (absent, or on another), and each (key, lease) of
+        `on_leases` is attached to exactly that lease: one transaction, so of two
         rivals deciding on the same value exactly one wins. Not made again when etcd
         does not answer (the first may have been applied: the caller reads to know)."""
         compare = [
@@ -277,6 +279,10 @@ class Etcd:
                     key=other.encode(),
                     lease=lease,
                 )
+            )
+        for other, lease in on_leases:
+            compare.append(
+                Compare(result=Compare.EQUAL, target=Compare.LEASE, key=other.encode(), lease=lease)
             )
         response = await self._call(
             "transaction",

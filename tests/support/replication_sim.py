@@ -124,6 +124,8 @@ class SimEtcd:
             node_id, lease = proposal.leader_gone
             ok = self.nodes.get(node_id) != lease
         if ok:
+            ok = all(self.nodes.get(node_id) == lease for node_id, lease in proposal.members_on)
+        if ok:
             self.put_queue(proposal.group, proposal.record)
             return True, proposal.record, self.revision
         return False, current, self.revision
@@ -759,8 +761,13 @@ class SimCluster:
                 self._check_disk(node, group)
         for node_id, groups in self.wiped.items():
             for group in list(groups):
-                if node_id not in self.current(group).isr:
-                    groups.discard(group)  # out of the ISR: only a leader brings it back
+                # Out of the ISR, a replica comes back only when a leader finds it caught
+                # up, but an addition proposed before the wipe can still land while the
+                # node is down (its old lease lives on until it restarts; the node then
+                # protects itself, Position.eligible). So the copy counts as intact
+                # again only once the node runs again, out of the ISR.
+                if self.nodes[node_id].up and node_id not in self.current(group).isr:
+                    groups.discard(group)
 
     def _check_disk(self, node: SimNode, group: str) -> None:
         """A replica's keys are exactly what its batches make."""

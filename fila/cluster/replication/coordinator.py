@@ -2,11 +2,12 @@
 
 Each proposal is one `Etcd.swap`: the new record is put only if the record is still
 the value it was decided on (and, for an election, if the old leader's membership key
-no longer holds the old lease). The answer's record goes into the mirror first, in
-etcd's revision order like every other change (`fila.cluster.mirror`), so placements,
-routing and the protocol see it at once; then the protocol hears the outcome. An etcd
-that does not answer makes an outcome the protocol knows to be unknown (the watch
-tells it what became of the proposal)."""
+no longer holds the old lease; for an ISR addition, if each added replica's key still
+holds the lease of the incarnation that caught up). The answer's record goes into the
+mirror first, in etcd's revision order like every other change
+(`fila.cluster.mirror`), so placements, routing and the protocol see it at once; then
+the protocol hears the outcome. An etcd that does not answer makes an outcome the
+protocol knows to be unknown (the watch tells it what became of the proposal)."""
 
 from __future__ import annotations
 
@@ -49,6 +50,7 @@ class EtcdCoordinator:
                 None if proposal.expected is None else proposal.expected.stored(),
                 proposal.record.encode(),
                 not_on_lease=None if gone is None else (self._layout.node(gone[0]), gone[1]),
+                on_leases=[(self._layout.node(node), lease) for node, lease in proposal.members_on],
             )
         except EtcdUnavailable as exc:
             log.warning("etcd did not answer a proposal for queue %s: %s", proposal.group, exc)

@@ -24,15 +24,19 @@ from fila.core.errors import BrokerError
 @dataclass(frozen=True, slots=True)
 class Proposal:
     """Replace `group`'s record `expected` (None: absent) by `record` in one etcd
-    transaction, which fails if the record is no longer `expected` or, with
+    transaction, which fails if the record is no longer `expected`; with
     `leader_gone` = (node id, lease), if that node's membership key still holds that
-    lease (the leader it replaces is alive after all)."""
+    lease (the leader it replaces is alive after all); and unless every membership key
+    in `members_on` ((node id, lease) pairs) still holds its lease: the replicas an ISR
+    addition found caught up, as the incarnations that caught up (a replica restarted
+    meanwhile, its disk lost perhaps, is on a new lease: Kafka's KIP-903 case)."""
 
     group: str
     token: int
     expected: Placement | None
     record: Placement
     leader_gone: tuple[int, int] | None = None
+    members_on: tuple[tuple[int, int], ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -404,6 +404,7 @@ class Replicator:
         expected: Placement,
         record: Placement,
         leader_gone: tuple[int, int] | None = None,
+        members_on: tuple[tuple[int, int], ...] = (),
     ) -> None:
         token = self._new_id()
         self._proposals[group] = token
@@ -414,6 +415,7 @@ class Replicator:
                 expected,
                 replace(record, version=expected.version + 1, raw=b""),
                 leader_gone,
+                members_on,
             )
         )
 
@@ -550,7 +552,10 @@ class Replicator:
                 group,
                 ",".join(str(m) for m in caught_up),
             )
-            self._propose(group, record, replace(record, isr=isr))
+            # Only as the incarnations whose sessions caught up: the membership watch
+            # can lag a restart, and a session's progress says nothing of a successor.
+            members_on = tuple((member, self._nodes[member]) for member in caught_up)
+            self._propose(group, record, replace(record, isr=isr), members_on=members_on)
 
     def _on_subscribe(self, sender: int, message: Subscribe) -> None:
         group = message.group
