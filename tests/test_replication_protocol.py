@@ -264,9 +264,9 @@ def test_a_paused_leader_answers_nothing_once_resumed_and_no_follower_keeps_its_
 def test_an_isr_add_applied_after_the_replica_lost_its_disk_loses_nothing() -> None:
     """Found by Hypothesis: the leader proposes a caught-up replica back into the ISR,
     the replica loses its disk (and is down) before etcd applies the proposal, so etcd
-    counts an empty replica in sync. The node marks itself ineligible when it starts
-    again (Position.eligible), its leader takes it out, and it counts again only once
-    caught up: nothing acknowledged is lost, and it heals."""
+    counts an empty replica in sync. Once it runs again its leader takes it out (its
+    session is new and untrusted) and it counts again only once caught up: nothing
+    acknowledged is lost, and it heals."""
     state = Replication()
     state.wipe(node=1)
     state.heal_all()

@@ -123,8 +123,7 @@ class SimEtcd:
         if ok and proposal.leader_gone is not None:
             node_id, lease = proposal.leader_gone
             ok = self.nodes.get(node_id) != lease
-        if ok:
-            ok = all(self.nodes.get(node_id) == lease for node_id, lease in proposal.members_on)
+        ok = ok and all(self.nodes.get(node) == lease for node, lease in proposal.members_on)
         if ok:
             self.put_queue(proposal.group, proposal.record)
             return True, proposal.record, self.revision
@@ -763,8 +762,8 @@ class SimCluster:
             for group in list(groups):
                 # Out of the ISR, a replica comes back only when a leader finds it caught
                 # up, but an addition proposed before the wipe can still land while the
-                # node is down (its old lease lives on until it restarts; the node then
-                # protects itself, Position.eligible). So the copy counts as intact
+                # node is down (its old lease lives on until it restarts; its leader
+                # takes it out once it runs). So the copy counts as intact
                 # again only once the node runs again, out of the ISR.
                 if self.nodes[node_id].up and node_id not in self.current(group).isr:
                     groups.discard(group)
