@@ -468,3 +468,36 @@ def test_a_wiped_follower_leaves_the_isr_once_even_if_the_log_brings_it_back_at_
     isr_seen = [record.isr for group, record in cluster.etcd.history[before:] if group == "a"]
     assert isr_seen == [(1, 3), (1, 2, 3)]
     assert cluster.nodes[2].disk.positions["a"].whole
+
+
+def test_a_wiped_node_that_caught_up_part_of_the_log_may_not_lead_while_counted_in_sync() -> None:
+    """A replica rebuilt after its disk was lost, while etcd still counts it in sync, is
+    not eligible to lead (Position.eligible) until a leader has taken it out of the ISR,
+    even once the log has given it some batches back: otherwise, with the leader gone
+    before it took the replica out, it would lead with only part of what was answered."""
+    cluster = SimCluster()
+    cluster.kill(3)
+    cluster.settle(rounds=ROUNDS, check=True)
+    assert cluster.current("a").isr == (1, 2)
+    for _ in range(4):
+        assert cluster.write(1, "a", settle=False)
+    cluster.settle(rounds=3, check=True)
+    answered = len(cluster.nodes[1].disk.batches["a"])
+    cluster.cut_from_etcd.add(1)  # node 1 cannot take node 2 out of the ISR now
+    cluster.wipe(2)
+    cluster.restart(2)
+    for _ in range(10_000):  # until the log has given node 2 part of what it lost
+        held = len(cluster.nodes[2].disk.batches.get("a", []))
+        if 0 < held < answered and not cluster.nodes[2].disk.unsynced:
+            break
+        assert cluster.run(1) == 1
+    else:
+        raise AssertionError("node 2 never held part of the log")
+    cluster.kill(1)
+    for index in reversed(range(len(cluster.network))):
+        if cluster.network[index][0] == 1:
+            cluster.lose(index)  # the rest of the log never arrives
+    cluster.cut_from_etcd.clear()
+    cluster.settle(rounds=ROUNDS, check=True)
+    record = cluster.current("a")
+    assert record.node_id == 1 and record.epoch == 1  # node 2 did not take over

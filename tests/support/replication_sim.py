@@ -747,8 +747,8 @@ class SimCluster:
             acked = [a for a in self.acked if a.group == group]
             for member in record.isr:
                 node = self.nodes[member]
-                if not self.intact(member, group):
-                    continue
+                if not self.intact(member, group) and not self._leads(member, group):
+                    continue  # a lost copy is forgiven, not in a leader
                 for state, what in ((node.disk.state, "holds"), (node.disk.durable, "synced")):
                     held = {(e, s) for e, s, _ in state.batches.get(group, [])}
                     missing = [(a.epoch, a.seq) for a in acked if (a.epoch, a.seq) not in held]
@@ -767,6 +767,10 @@ class SimCluster:
                 # again only once the node runs again, out of the ISR.
                 if self.nodes[node_id].up and node_id not in self.current(group).isr:
                     groups.discard(group)
+
+    def _leads(self, node_id: int, group: str) -> bool:
+        replicator = self.nodes[node_id].replicator
+        return replicator is not None and replicator.leads(group)
 
     def _check_disk(self, node: SimNode, group: str) -> None:
         """A replica's keys are exactly what its batches make."""
