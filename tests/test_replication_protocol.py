@@ -1,7 +1,8 @@
 """The replication protocol (`fila.cluster.replication.replicator`) under an adversary:
 Hypothesis drives a three-node in-memory cluster (tests/support/replication_sim.py)
 through writes, message delivery in any order, lost messages and etcd answers, time,
-kills, restarts, pauses, wiped disks and cut links, and checks after every step:
+kills, restarts, pauses, wiped disks, cut links and a node's removal, and checks after
+every step:
 
 - every acknowledged batch is on every in-sync replica (that still has its disk), so
   no acknowledged write, enqueue or settlement, is lost while one of them survives;
@@ -27,10 +28,18 @@ GROUPS = st.sampled_from(["a", "b"])
 ANY = st.integers(min_value=0, max_value=10_000)
 
 
+def removed(cluster: SimCluster, node_id: int) -> bool:
+    """`node_id` dies, its lease runs out, and `remove-node` is called for it."""
+    cluster.kill(node_id)
+    cluster.advance(TTL_MS + 100)
+    return cluster.remove_node(node_id)
+
+
 class Replication(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.cluster = SimCluster()
+        self.removed = False
 
     # -- clients and the leader's own writes ---------------------------------------------
 
@@ -109,6 +118,14 @@ class Replication(RuleBasedStateMachine):
     @rule(node=NODES)
     def wipe(self, node: int) -> None:
         self.cluster.wipe(node)
+
+    @precondition(lambda self: not self.removed)
+    @rule(node=NODES)
+    def remove_node(self, node: int) -> None:
+        """The node dies, its lease runs out, and `fila cluster remove-node` takes it
+        (refused where it holds the only in-sync copy): with no spare node here, its
+        queues' replica sets shrink to two. It may still come back later."""
+        self.removed = removed(self.cluster, node)
 
     @rule(group=GROUPS)
     def isolate_leader(self, group: str) -> None:
@@ -501,3 +518,67 @@ def test_a_wiped_node_that_caught_up_part_of_the_log_may_not_lead_while_counted_
     cluster.settle(rounds=ROUNDS, check=True)
     record = cluster.current("a")
     assert record.node_id == 1 and record.epoch == 1  # node 2 did not take over
+
+
+def test_a_removed_followers_replica_moves_to_a_live_node_that_catches_up_and_joins() -> None:
+    cluster = SimCluster(nodes=4, replicas=3)
+    assert cluster.current("a").replicas == (1, 2, 3)
+    assert removed(cluster, 3)
+    assert cluster.current("a").replicas == (1, 2, 4) and 3 not in cluster.current("a").isr
+    assert cluster.write(1, "a", settle=False)
+    cluster.settle(rounds=ROUNDS, check=True)
+    record = cluster.current("a")
+    assert record.node_id == 1 and set(record.isr) == {1, 2, 4}
+    assert cluster.nodes[4].disk.data["a"] == cluster.nodes[1].disk.data["a"]
+    assert cluster.nodes[4].disk.positions["a"].whole
+
+
+def test_a_removed_node_that_comes_back_drops_its_copy_and_never_leads() -> None:
+    """The node was the leader: an in-sync follower takes the queue over, and the
+    node, started again, holds no copy of a queue it is no longer a replica of."""
+    cluster = SimCluster(nodes=4, replicas=3)
+    assert removed(cluster, 1)
+    cluster.settle(rounds=ROUNDS, check=True)
+    record = cluster.current("a")
+    assert record.node_id in (2, 3) and set(record.isr) == {2, 3, 4}
+    assert cluster.write(record.node_id, "a", settle=True)
+    cluster.restart(1)
+    cluster.settle(rounds=ROUNDS, check=True)
+    assert cluster.current("a").node_id == record.node_id
+    node = cluster.nodes[1]
+    assert node.replicator is not None and not node.replicator.leads("a")
+    assert "a" not in node.disk.positions and not node.disk.data.get("a")
+
+
+def test_a_leader_removed_while_cut_from_etcd_stops_leading_once_it_sees_the_removal() -> None:
+    """Its membership key ran out while it was cut off, so `remove-node` took it: back in
+    touch with etcd on a new lease, it must neither lead nor keep a copy of the queue."""
+    cluster = SimCluster(nodes=4, replicas=3)
+    cluster.cut_from_etcd.add(1)
+    cluster.advance(TTL_MS + 100)
+    assert cluster.remove_node(1)
+    cluster.cut_from_etcd.clear()
+    cluster.settle(rounds=ROUNDS, check=True)
+    node = cluster.nodes[1]
+    assert node.replicator is not None and not node.replicator.leads("a")
+    assert not cluster.write(1, "a", settle=False)
+    assert "a" not in node.disk.positions and not node.disk.data.get("a")
+    record = cluster.current("a")
+    assert record.node_id in (2, 3) and set(record.isr) == {2, 3, 4}
+
+
+def test_a_node_made_a_replica_again_after_its_removal_starts_from_nothing() -> None:
+    """It dropped its copy when it saw the removal; chosen again (another node's
+    removal), it must catch up from the leader, not stand on what it held before."""
+    cluster = SimCluster(nodes=4, replicas=3)
+    assert removed(cluster, 3)
+    cluster.settle(rounds=ROUNDS, check=True)
+    cluster.restart(3)
+    for _ in range(3):
+        assert cluster.write(1, "a", settle=True)
+    cluster.settle(rounds=ROUNDS, check=True)
+    assert removed(cluster, 4)
+    assert cluster.current("a").replicas == (1, 2, 3)
+    cluster.settle(rounds=ROUNDS, check=True)
+    assert set(cluster.current("a").isr) == {1, 2, 3}
+    assert cluster.nodes[3].disk.data["a"] == cluster.nodes[1].disk.data["a"]

@@ -35,6 +35,7 @@ from fila.cluster.layout import Placement
 from fila.cluster.replication.messages import Ack, Message, Ops, Subscribe
 from fila.cluster.replication.ports import Outcome, Proposal, Ticket
 from fila.cluster.replication.position import Position
+from fila.cluster.replication.removal import lost_with
 from fila.cluster.replication.replicator import Replicator, Settings
 from fila.core.errors import BrokerError
 
@@ -431,7 +432,10 @@ class SimNode:
 
 
 class SimCluster:
-    def __init__(self, nodes: int = 3, groups: tuple[str, ...] = ("a", "b")) -> None:
+    def __init__(
+        self, nodes: int = 3, groups: tuple[str, ...] = ("a", "b"), replicas: int = 0
+    ) -> None:
+        """`replicas`: how many nodes hold each group (0: all), nodes 1 to `replicas`."""
         self.clock = SimClock()
         self.etcd = SimEtcd(self.clock)
         self.settings = Settings(lag_ms=TTL_MS, heartbeat_ms=500, resubscribe_ms=2000, window=8)
@@ -456,7 +460,7 @@ class SimCluster:
                 1,
                 f"claim-{group}",
                 0,
-                replicas=tuple(self.nodes),
+                replicas=tuple(self.nodes)[: replicas or nodes],
                 isr=(1,),
                 epoch=1,
                 leader_lease=first.lease,
@@ -661,6 +665,31 @@ class SimCluster:
         self.kill(node_id)
         self.nodes[node_id].disk = SimDisk()
         self.wiped[node_id] = set(self.groups)
+
+    def remove_node(self, node_id: int) -> bool:
+        """`fila cluster remove-node` (fila.cluster.replication.removal): refused while
+        the node's membership key lives or where it holds the only in-sync copy; else
+        each queue with a replica there has it replaced by the live node holding the
+        fewest replicas (none left: the set shrinks) and leaves its ISR, in one change
+        per queue. The real call compares each record it replaces; here it is applied
+        at one instant, so any proposal made on the old record fails as it would."""
+        if node_id in self.etcd.nodes or any(
+            lost_with(self.current(group), node_id) for group in self.groups
+        ):
+            return False
+        for group in self.groups:
+            record = self.current(group)
+            if node_id not in record.replicas:
+                continue
+            load = {n: sum(n in self.current(g).replicas for g in self.groups) for n in self.nodes}
+            spare = sorted((load[n], n) for n in self.etcd.nodes if n not in record.replicas)
+            replicas = tuple(n for n in record.replicas if n != node_id) + tuple(
+                n for _, n in spare[:1]
+            )
+            isr = tuple(n for n in record.isr if n != node_id)
+            moved = replace(record, replicas=replicas, isr=isr, version=record.version + 1, raw=b"")
+            self.etcd.put_queue(group, moved)
+        return True
 
     def pause(self, node_id: int) -> None:
         if self.nodes[node_id].up:
