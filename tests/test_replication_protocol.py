@@ -261,6 +261,24 @@ def test_a_leader_alone_in_its_isr_acknowledges_nothing_once_its_lease_ran_out()
     assert len(cluster.acked) == answered + 1
 
 
+def test_writes_pending_when_their_queue_is_deleted_are_answered_with_an_error() -> None:
+    """The leader stops leading a deleted queue: what waited for a follower must not
+    be answered as written (and every node drops its copy)."""
+    cluster = SimCluster()
+    cluster.cut.add(frozenset((1, 2)))  # node 2 does not acknowledge: the batch waits
+    answered = len(cluster.acked)
+    assert cluster.write(1, "a", settle=False)
+    cluster.run(10_000, check=True)
+    leader = cluster.nodes[1].replicator
+    assert leader is not None and leader.serving("a") and cluster.nodes[1].waiting
+    cluster.delete_queue("a")
+    cluster.settle(rounds=3, check=True)
+    assert len(cluster.acked) == answered and not cluster.nodes[1].waiting
+    for node in cluster.nodes.values():
+        assert node.replicator is not None and not node.replicator.leads("a")
+        assert "a" not in node.disk.positions and not node.disk.data.get("a")
+
+
 def test_a_paused_leader_answers_nothing_once_resumed_and_no_follower_keeps_its_batches() -> None:
     cluster = SimCluster()
     cluster.write(1, "a", settle=False)  # on its way, not answered

@@ -118,6 +118,10 @@ class SimEtcd:
         self.queues[group] = record
         self._changed("queue", group, record)
 
+    def delete_queue(self, group: str) -> None:
+        del self.queues[group]
+        self._changed("queue", group, None)
+
     def transact(self, proposal: Proposal) -> tuple[bool, Placement | None, int]:
         current = self.queues.get(proposal.group)
         ok = current == proposal.expected
@@ -690,6 +694,11 @@ class SimCluster:
             moved = replace(record, replicas=replicas, isr=isr, version=record.version + 1, raw=b"")
             self.etcd.put_queue(group, moved)
         return True
+
+    def delete_queue(self, group: str) -> None:
+        """`DeleteQueue`: the record goes from etcd; the checks leave the group out."""
+        self.etcd.delete_queue(group)
+        self.groups = tuple(g for g in self.groups if g != group)
 
     def pause(self, node_id: int) -> None:
         if self.nodes[node_id].up:
