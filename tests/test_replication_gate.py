@@ -120,6 +120,17 @@ def test_the_gate_answers_with_the_first_error_once_every_ticket_is_answered() -
     assert answers == [first]
 
 
+def test_the_gate_answers_with_an_error_that_comes_after_a_success() -> None:
+    tickets = _tickets(2)
+    gate = BatchGate(tickets, lambda group, seq: None)
+    answers: list[Exception | None] = []
+    gate.when_answered(answers.append)
+    error = Unavailable("fenced")
+    tickets[0].answer(None)
+    tickets[1].answer(error)
+    assert answers == [error]
+
+
 def test_the_gate_answers_none_when_every_ticket_succeeded() -> None:
     tickets = _tickets(2)
     gate = BatchGate(tickets, lambda group, seq: None)
