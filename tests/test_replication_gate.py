@@ -5,6 +5,7 @@ them in real brokers; these pin each rule where a mutant can be seen."""
 
 from __future__ import annotations
 
+import pytest
 from support.replication_sim import SimCluster
 
 from fila.cluster.replication.gate import BatchGate, ReplicationHook
@@ -107,38 +108,28 @@ def _tickets(count: int) -> list[Ticket]:
     return [Ticket(f"q{i}", 1, 10 + i) for i in range(count)]
 
 
-def test_the_gate_answers_with_the_first_error_once_every_ticket_is_answered() -> None:
+FIRST, SECOND = Unavailable("first"), BrokerError("second")
+
+
+@pytest.mark.parametrize(
+    ("answers_in_order", "expected"),
+    [
+        ([(2, FIRST), (0, SECOND), (1, None)], FIRST),  # the first error to arrive
+        ([(0, None), (2, None), (1, FIRST)], FIRST),  # an error after successes
+        ([(1, None), (0, None), (2, None)], None),
+    ],
+)
+def test_the_gate_answers_once_every_ticket_is_with_the_first_error_if_any(
+    answers_in_order: list[tuple[int, BrokerError | None]], expected: BrokerError | None
+) -> None:
     tickets = _tickets(3)
     gate = BatchGate(tickets, lambda group, seq: None)
     answers: list[Exception | None] = []
     gate.when_answered(answers.append)
-    first, second = Unavailable("first"), BrokerError("second")
-    tickets[2].answer(first)
-    tickets[0].answer(second)
-    assert answers == []
-    tickets[1].answer(None)
-    assert answers == [first]
-
-
-def test_the_gate_answers_with_an_error_that_comes_after_a_success() -> None:
-    tickets = _tickets(2)
-    gate = BatchGate(tickets, lambda group, seq: None)
-    answers: list[Exception | None] = []
-    gate.when_answered(answers.append)
-    error = Unavailable("fenced")
-    tickets[0].answer(None)
-    tickets[1].answer(error)
-    assert answers == [error]
-
-
-def test_the_gate_answers_none_when_every_ticket_succeeded() -> None:
-    tickets = _tickets(2)
-    gate = BatchGate(tickets, lambda group, seq: None)
-    answers: list[Exception | None] = []
-    gate.when_answered(answers.append)
-    for ticket in tickets:
-        ticket.answer(None)
-    assert answers == [None]
+    for index, error in answers_in_order:
+        assert answers == []
+        tickets[index].answer(error)
+    assert answers == [expected]
 
 
 def test_the_gate_runs_replicated_work_once_every_ticket_is_replicated() -> None:
