@@ -37,11 +37,21 @@ def client(server: ServerProcess) -> Iterator[Client]:
 
 
 def _lease(client: Client, queue: str, count: int) -> list[str]:
-    """Lease exactly `count` messages and keep them leased (the stream's prefetch)."""
+    """Lease exactly `count` messages and keep them leased (the stream's prefetch).
+
+    Returns once the broker has seen the stream go: until then an ack of one of these
+    messages frees a prefetch slot, and the broker may fill it with one more delivery
+    to the closing stream (a lease nobody holds, counted as delivered).
+    """
     stub = service_pb2_grpc.FilaServiceStub(client._channel)
     call = stub.Consume(service_pb2.ConsumeRequest(queue=queue, prefetch=count))
     ids = [next(r for r in call if r.HasField("message")).message.id for _ in range(count)]
     call.cancel()
+    wait_until(
+        lambda: client.get_stats(queue).active_consumers == 0,
+        DEADLINE_S,
+        what=f"the broker to see the consumer of {queue} go",
+    )
     return ids
 
 
