@@ -9,15 +9,14 @@ import asyncio
 import contextlib
 import queue
 import threading
-import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent import futures
 from typing import Any
 
 import grpc
 import pytest
-from support import ServerFactory
+from support import ServerFactory, wait_until
 
 from fila.testing.children import free_port
 from fila.testing.server import ServerProcess
@@ -57,14 +56,6 @@ end
 
 def unique(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:8]}"
-
-
-def wait_until(check: Callable[[], bool], what: str, timeout: float = DEADLINE_S) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(0.02)
 
 
 class Consumer:
@@ -130,7 +121,9 @@ def test_enqueue_consume_ack_lifecycle(server: ServerProcess, client: Client) ->
         assert client.get_stats(name).in_flight == 1
 
         consumer.client.ack(name, msg.id)
-        wait_until(lambda: client.get_stats(name).in_flight == 0, "ack to clear the lease")
+        wait_until(
+            lambda: client.get_stats(name).in_flight == 0, DEADLINE_S, what="ack to clear the lease"
+        )
         assert client.get_stats(name).depth == 0
         with pytest.raises(MessageNotFoundError):
             consumer.client.ack(name, msg.id)
@@ -242,7 +235,11 @@ def test_dead_letter_and_redrive(server: ServerProcess, client: Client) -> None:
     consumer = Consumer(server.addr, name)
     try:
         consumer.client.nack(name, consumer.next().id, "fatal")
-        wait_until(lambda: client.get_stats(dlq).depth == 1, "the message to reach the DLQ")
+        wait_until(
+            lambda: client.get_stats(dlq).depth == 1,
+            DEADLINE_S,
+            what="the message to reach the DLQ",
+        )
         assert client.get_stats(name).depth == 0
         with pytest.raises(InvalidArgumentError):
             client.redrive(name)  # not a DLQ
@@ -260,7 +257,9 @@ def test_breaking_out_of_consume_cancels_the_stream(client: Client) -> None:
     client.enqueue(name, None, b"x")
     for _ in client.consume(name):
         break
-    wait_until(lambda: client.get_stats(name).active_consumers == 0, "the stream to close")
+    wait_until(
+        lambda: client.get_stats(name).active_consumers == 0, DEADLINE_S, what="the stream to close"
+    )
 
 
 def test_api_key_and_timeout_are_accepted(server: ServerProcess) -> None:
