@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 import grpc
 from click.testing import CliRunner
+from support import unique
 from support.cli import (
     clean_env,
     fails,
@@ -18,7 +19,6 @@ from support.cli import (
     ok_json,
     one_error_line,
     run_fila,
-    unique,
 )
 
 from fila import __version__

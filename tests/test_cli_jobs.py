@@ -11,7 +11,8 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from support.cli import clean_env, fails, fila, ok, ok_json, run_in_terminal, unique
+from support import unique
+from support.cli import clean_env, fails, fila, ok, ok_json, run_in_terminal
 
 from fila.durations import parse_ms
 from fila.testing.server import ServerProcess

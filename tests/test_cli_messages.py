@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import wait_until
-from support.cli import Running, fails, fila, ok, ok_json, run_in_terminal, unique
+from support import unique, wait_until
+from support.cli import Running, fails, fila, ok, ok_json, run_in_terminal
 
 from fila.cli import raw
 from fila.testing.server import ServerProcess

@@ -8,8 +8,8 @@ import threading
 from collections.abc import Iterator
 
 import pytest
-from support import ServerFactory
-from support.cli import Running, fila, run_in_terminal, unique
+from support import ServerFactory, unique
+from support.cli import Running, fila, run_in_terminal
 
 from fila.cli.rates import Sample, per_second, rates
 from fila.testing.server import ServerProcess

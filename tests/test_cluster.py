@@ -42,7 +42,7 @@ from typing import Any, cast
 
 import grpc
 import pytest
-from support import ServerProcess, wait_until
+from support import ServerProcess, unique, wait_until
 from support.cli import ok, ok_json
 from support.cluster import (
     LEASE_TTL_MS,
@@ -68,10 +68,6 @@ pytestmark = pytest.mark.cluster
 
 BOOT = "cluster-test-bootstrap-key"
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")

@@ -28,7 +28,7 @@ from pathlib import Path
 import grpc
 import pytest
 from lupa import lua54
-from support import ServerFactory, wait_until
+from support import ServerFactory, unique, wait_until
 from support.stubs import Fila, connect
 from support.timing import TimedConsumer, thread_sched
 
@@ -58,10 +58,6 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     finally:
         if proc.running:
             proc.stop()
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def on_enqueue(body: str) -> str:

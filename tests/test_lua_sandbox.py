@@ -30,7 +30,7 @@ import grpc
 import pytest
 from lua_parity import Parity, random_case
 from lupa import lua54
-from support import ServerFactory, wait_until
+from support import ServerFactory, unique, wait_until
 from support.stubs import Fila, connect, rpc_error
 from support.timing import TimedConsumer, rss_bytes, thread_sched
 
@@ -65,10 +65,6 @@ def hostile_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     finally:
         if proc.running:
             proc.stop()
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def script(body: str, ret: str = '{ fairness_key = "escaped" }') -> str:

@@ -13,8 +13,8 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from support import ServerFactory, wait_until
-from support.cli import ok, ok_json, unique
+from support import ServerFactory, unique, wait_until
+from support.cli import ok, ok_json
 
 from fila.testing.server import ServerProcess
 from fila.v1 import admin_pb2, admin_pb2_grpc

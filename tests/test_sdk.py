@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 import pytest
-from support import ServerFactory, wait_until
+from support import ServerFactory, unique, wait_until
 
 from fila.testing.children import free_port
 from fila.testing.server import ServerProcess
@@ -52,10 +52,6 @@ function on_failure(msg)
   return { action = "dlq" }
 end
 """
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 class Consumer:

@@ -4,11 +4,10 @@
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections.abc import Iterator
 
 import pytest
-from support import wait_until
+from support import unique, wait_until
 
 from fila.testing.server import ServerProcess
 from fila.v1 import service_pb2, service_pb2_grpc
@@ -24,10 +23,6 @@ from fila_sdk import (
 TENANT_KEYS = 'function on_enqueue(m) return { fairness_key = m.headers.tenant or "none" } end'
 DEAD_LETTER = 'function on_failure(m) return { action = "dlq" } end'
 DEADLINE_S = 20.0
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

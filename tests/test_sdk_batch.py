@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import pytest
-from support import ServerFactory, wait_until
+from support import ServerFactory, unique, wait_until
 from support.sdk_fakes import batch_ids, fake_broker, numbered_ids, unary
 
 from fila.testing.server import ServerProcess
@@ -52,10 +52,6 @@ function on_failure(msg)
   return { action = "retry" }
 end
 """
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture

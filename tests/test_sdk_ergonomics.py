@@ -11,7 +11,8 @@ import logging
 import threading
 
 import pytest
-from support.worker import unique, wait
+from support import unique
+from support.worker import wait
 
 from fila.testing.server import ServerProcess
 from fila_sdk import (

@@ -16,14 +16,13 @@ import contextlib
 import logging
 import threading
 import time
-import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
-from support import ServerFactory
+from support import ServerFactory, unique
 from support import until as poll_until
 from support.sdk_fakes import fake_broker, silent_stream, sleeper, unary
 
@@ -62,10 +61,6 @@ def ack_may_be_lost() -> Iterator[None]:
     except FilaError as exc:
         if exc.code != grpc.StatusCode.CANCELLED:
             raise
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def wait(

@@ -33,7 +33,7 @@ import pytest
 from click.testing import CliRunner, Result
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from support import ServerFactory, wait_until
+from support import ServerFactory, unique, wait_until
 
 from fila.cli import cli
 from fila.clock import ManualClock
@@ -69,10 +69,6 @@ from fila_sdk import (
 )
 
 BOOT = "boot-" + uuid.uuid4().hex
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 @pytest.fixture(scope="module")

@@ -15,8 +15,9 @@ import time
 from collections import Counter
 
 import pytest
+from support import unique
 from support.sdk_fakes import ScriptedConsume, fake_broker
-from support.worker import DEADLINE_S, unique, until, wait
+from support.worker import DEADLINE_S, until, wait
 from support.worker import counts as _counts
 
 from fila.testing.server import ServerProcess

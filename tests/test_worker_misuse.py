@@ -15,7 +15,8 @@ import threading
 from collections import Counter
 
 import pytest
-from support.worker import DEADLINE_S, unique, until, wait
+from support import unique
+from support.worker import DEADLINE_S, until, wait
 from support.worker import counts as _counts
 
 from fila.testing.server import ServerProcess

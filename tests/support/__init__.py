@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from fila.testing.server import ServerProcess
@@ -14,6 +15,11 @@ from fila.testing.server import ServerProcess
 ServerFactory = Callable[..., ServerProcess]
 
 T = TypeVar("T")
+
+
+def unique(prefix: str) -> str:
+    """A name no other test (or earlier run against the same broker) has used."""
+    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def wait_until(
@@ -77,6 +83,7 @@ __all__ = [
     "ServerProcess",
     "resident_bytes_of",
     "settled",
+    "unique",
     "until",
     "wait_until",
 ]
@@ -85,8 +92,6 @@ __all__ = [
 # --- asyncio (grpc.aio) helpers -------------------------------------------------------
 # Appended for tests/test_recovery.py; usable by any test that drives the broker from
 # an event loop.
-
-from collections.abc import Awaitable  # noqa: E402
 
 
 async def async_wait_until(

@@ -17,7 +17,6 @@ import subprocess
 import sys
 import termios
 import threading
-import uuid
 from collections.abc import Mapping
 from pathlib import Path
 from typing import IO, Any
@@ -29,10 +28,6 @@ from fila.cli import cli
 from fila.testing.server import ServerProcess
 
 PROCESS_TIMEOUT_S = 60.0
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 def target(server: ServerProcess | str) -> str:

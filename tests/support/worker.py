@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
 from fila_sdk import Client
@@ -10,10 +9,6 @@ from support import until as poll_until
 from support import wait_until
 
 DEADLINE_S = 15.0
-
-
-def unique(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:8]}"
 
 
 async def until(predicate: object, what: str, within: float = DEADLINE_S) -> None:
